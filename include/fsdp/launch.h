@@ -1,0 +1,26 @@
+// The built-in local launcher: any fsdp program given --nproc-per-node N spawns N ranks of itself on
+// loopback with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT) and returns the first non-zero exit code; the other ranks are then
+// stopped, so one failing rank never leaves the rest hanging.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// Spawns `nproc` processes running `argv` (argv[0] is the program path) and waits for all of
+// them. Returns 0 when every rank exited 0, else the first failure's exit code (128+signal for a
+// rank killed by a signal). `master_port` 0 picks a free port.
+int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0);
+
+// For a program's main(): when argv holds "--nproc-per-node N" (or "--nproc-per-node=N") and this
+// process is not itself a launched rank, runs launch_local() on the same command line without
+// that flag and returns its exit code. Otherwise returns nullopt and the program runs as one rank.
+std::optional<int> maybe_launch_local(int argc, char** argv);
+
+// A free TCP port on 127.0.0.1 (for tests that start several worlds).
+int free_port();
+
+}  // namespace fsdp

@@ -1,0 +1,189 @@
+#include "models/gpt.h"
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace models {
+
+// ---------------------------------------------------------------------------------------------
+// GPTConfig
+
+int64_t GPTConfig::num_parameters() const {
+  const int64_t d = d_model;
+  // ln1 + ln2 (2 * 2d), qkv (3d*d + 3d), proj (d*d + d), fc (4d*d + 4d), proj (d*4d + d).
+  const int64_t per_block = 12 * d * d + 13 * d;
+  return vocab_size * d          // tok_emb (also the head, tied)
+         + block_size * d        // pos_emb
+         + n_layer * per_block   // blocks
+         + 2 * d;                // ln_f
+}
+
+GPTConfig GPTConfig::preset(const std::string& name) {
+  // {vocab, block, layers, heads, d_model}
+  static const std::map<std::string, GPTConfig> presets = {
+      {"tiny", {256, 32, 2, 2, 32}},
+      {"small", {256, 64, 2, 4, 64}},
+      {"default", {256, 128, 4, 4, 256}},
+      {"medium", {256, 256, 8, 8, 512}},
+      {"1b", {50000, 2048, 24, 16, 1792}},
+      {"175b", {50000, 2048, 96, 96, 12288}},
+  };
+  auto it = presets.find(name);
+  if (it == presets.end()) {
+    std::string valid;
+    for (const auto& kv : presets) valid += (valid.empty() ? "" : ", ") + kv.first;
+    throw std::invalid_argument("unknown GPT preset '" + name + "'; valid presets: " + valid);
+  }
+  return it->second;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Blocks
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head_)
+    : n_head(n_head_) {
+  TORCH_CHECK(n_head > 0 && d_model % n_head == 0, "d_model (", d_model,
+              ") must be divisible by n_head (", n_head, ")");
+  qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  proj = register_module("proj", torch::nn::Linear(d_model, d_model));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const int64_t hd = C / n_head;
+  auto parts = qkv(x).chunk(3, /*dim=*/-1);
+  // [B, T, C] -> [B, H, T, hd]
+  auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, n_head, hd}).transpose(1, 2); };
+  auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+
+  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  // Built per call on x's device so the module carries no buffer and works for any T.
+  auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
+                  .triu(/*diagonal=*/1);
+  att = att.masked_fill(mask, -std::numeric_limits<double>::infinity());
+  att = torch::softmax(att, /*dim=*/-1);
+  auto y = torch::matmul(att, v);                  // [B, H, T, hd]
+  y = y.transpose(1, 2).reshape({B, T, C});        // reshape copies: y is non-contiguous here
+  return proj(y);
+}
+
+MLPImpl::MLPImpl(int64_t d_model) {
+  fc = register_module("fc", torch::nn::Linear(d_model, 4 * d_model));
+  proj = register_module("proj", torch::nn::Linear(4 * d_model, d_model));
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return proj(torch::gelu(fc(x))); }
+
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_head) {
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  attn = register_module("attn", CausalSelfAttention(d_model, n_head));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  mlp = register_module("mlp", MLP(d_model));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
+  auto h = x + attn(ln1(x));
+  return h + mlp(ln2(h));
+}
+
+TiedLMHeadImpl::TiedLMHeadImpl(torch::Tensor tied_weight) {
+  TORCH_CHECK(tied_weight.defined() && tied_weight.dim() == 2, "TiedLMHead needs a 2-D weight");
+  // register_parameter stores the very same tensor (no copy), which is what makes it tied.
+  weight = register_parameter("weight", tied_weight, /*requires_grad=*/tied_weight.requires_grad());
+}
+
+torch::Tensor TiedLMHeadImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+
+// ---------------------------------------------------------------------------------------------
+// GPT
+
+GPTImpl::GPTImpl(const GPTConfig& c) : cfg(c) {
+  TORCH_CHECK(cfg.vocab_size > 0 && cfg.block_size > 0 && cfg.n_layer >= 0 && cfg.d_model > 0,
+              "invalid GPTConfig");
+  tok_emb = register_module("tok_emb", torch::nn::Embedding(cfg.vocab_size, cfg.d_model));
+  pos_emb = register_module("pos_emb", torch::nn::Embedding(cfg.block_size, cfg.d_model));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(Block(cfg.d_model, cfg.n_head));
+  ln_f = register_module("ln_f",
+                         torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.d_model})));
+  head = register_module("head", TiedLMHead(tok_emb->weight));
+
+  // Deterministic init from the global RNG. The default libtorch init already consumed RNG draws
+  // during construction; re-initialising everything here in one fixed order makes the result
+  // depend only on the seed and this order. First classify each parameter by its owning module.
+  enum class Kind { Normal, Zero, One };
+  std::unordered_map<const c10::TensorImpl*, Kind> kind;
+  for (const auto& m : modules(/*include_self=*/false)) {
+    if (auto* ln = m->as<torch::nn::LayerNormImpl>()) {
+      if (ln->weight.defined()) kind[ln->weight.unsafeGetTensorImpl()] = Kind::One;
+      if (ln->bias.defined()) kind[ln->bias.unsafeGetTensorImpl()] = Kind::Zero;
+    } else if (auto* lin = m->as<torch::nn::LinearImpl>()) {
+      kind[lin->weight.unsafeGetTensorImpl()] = Kind::Normal;
+      if (lin->bias.defined()) kind[lin->bias.unsafeGetTensorImpl()] = Kind::Zero;
+    } else if (auto* emb = m->as<torch::nn::EmbeddingImpl>()) {
+      kind[emb->weight.unsafeGetTensorImpl()] = Kind::Normal;
+    }
+  }
+  torch::NoGradGuard no_grad;
+  std::unordered_set<const c10::TensorImpl*> done;  // the tied weight is listed twice
+  for (auto& np : named_parameters(/*recurse=*/true)) {
+    auto& p = np.value();
+    const auto* impl = p.unsafeGetTensorImpl();
+    if (!done.insert(impl).second) continue;
+    auto it = kind.find(impl);
+    const Kind k = it == kind.end() ? Kind::Normal : it->second;
+    switch (k) {
+      case Kind::Normal: torch::nn::init::normal_(p, 0.0, 0.02); break;
+      case Kind::Zero: torch::nn::init::zeros_(p); break;
+      case Kind::One: torch::nn::init::ones_(p); break;
+    }
+  }
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  TORCH_CHECK(idx.dim() == 2, "GPT expects idx of shape [B, T], got ", idx.sizes());
+  const int64_t T = idx.size(1);
+  TORCH_CHECK(T <= cfg.block_size, "sequence length ", T, " exceeds block_size ", cfg.block_size);
+  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+  auto x = tok_emb(idx) + pos_emb(pos);  // [B, T, d] + [T, d]
+  for (size_t i = 0; i < blocks->size(); ++i) x = blocks[i]->as<BlockImpl>()->forward(x);
+  return head(ln_f(x));
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
+int64_t count_unique_parameters(const torch::nn::Module& module) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  int64_t n = 0;
+  for (const auto& p : module.parameters(/*recurse=*/true))
+    if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// UnevenNet
+
+UnevenNetImpl::UnevenNetImpl() {
+  a = register_module("a", torch::nn::Linear(16, 3));
+  b = register_module("b", torch::nn::Linear(3, 1));
+  c = register_module("c", torch::nn::Linear(1, 40));
+  n = register_module("n", torch::nn::LayerNorm(torch::nn::LayerNormOptions({40})));
+  d = register_module("d", torch::nn::Linear(40, 16));
+  unused = register_parameter("unused", torch::randn({5}));
+}
+
+torch::Tensor UnevenNetImpl::forward(const torch::Tensor& x) {
+  auto h = torch::tanh(a(x));
+  h = torch::tanh(b(h));
+  h = torch::tanh(n(c(h)));
+  return d(h);
+}
+
+}  // namespace models

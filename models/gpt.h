@@ -1,0 +1,102 @@
+// GPT-style decoder and a small irregular MLP, written the ordinary libtorch way (typed members,
+// TORCH_MODULE holders). Nothing here knows about sharding or distribution.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+namespace models {
+
+struct GPTConfig {
+  int64_t vocab_size = 256;
+  int64_t block_size = 128;
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t d_model = 256;
+
+  // Analytic parameter count of GPT(*this); the tied embedding/head weight is counted once.
+  int64_t num_parameters() const;
+
+  // "tiny", "small", "default", "medium", "1b", "175b". Throws std::invalid_argument otherwise.
+  static GPTConfig preset(const std::string& name);
+};
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  CausalSelfAttentionImpl(int64_t d_model, int64_t n_head);
+  // x: [B, T, d_model] -> [B, T, d_model]
+  torch::Tensor forward(const torch::Tensor& x);
+
+  int64_t n_head;
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(int64_t d_model);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear fc{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(MLP);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t d_model, int64_t n_head);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+// Output projection that shares its weight with an existing tensor (weight tying). The tensor is
+// registered as this module's own parameter "weight", so the owning model's named_parameters()
+// lists it twice (e.g. "tok_emb.weight" and "head.weight") with one and the same TensorImpl.
+struct TiedLMHeadImpl : torch::nn::Module {
+  explicit TiedLMHeadImpl(torch::Tensor tied_weight);  // [vocab, d_model]
+  // x: [..., d_model] -> [..., vocab]
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedLMHead);
+
+struct GPTImpl : torch::nn::Module {
+  // Parameters are initialized deterministically from the global torch RNG: call
+  // torch::manual_seed(...) before constructing to get reproducible weights.
+  explicit GPTImpl(const GPTConfig& cfg);
+  // idx: int64 [B, T] with T <= block_size -> logits [B, T, vocab_size]
+  torch::Tensor forward(const torch::Tensor& idx);
+
+  GPTConfig cfg;
+  // Registration order (and hence named_parameters() order) is the declaration order below.
+  torch::nn::Embedding tok_emb{nullptr}, pos_emb{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  TiedLMHead head{nullptr};
+};
+TORCH_MODULE(GPT);
+
+// Mean cross entropy over all positions. logits [B, T, V], targets int64 [B, T].
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
+// Number of distinct parameter elements of a module (shared tensors counted once).
+int64_t count_unique_parameters(const torch::nn::Module& module);
+
+// A deliberately irregular MLP for testing: tiny and odd-sized parameters (3, 1, 40 ...), a
+// LayerNorm, and a registered parameter that forward() never uses (so it never gets a gradient).
+struct UnevenNetImpl : torch::nn::Module {
+  UnevenNetImpl();
+  // x: [N, 16] -> [N, 16]
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  torch::nn::LayerNorm n{nullptr};
+  torch::nn::Linear d{nullptr};
+  torch::Tensor unused;  // shape {5}, registered as parameter "unused"
+};
+TORCH_MODULE(UnevenNet);
+
+}  // namespace models

@@ -1,0 +1,27 @@
+// The collectives FSDP uses, as stateless free functions over c10d backends. Each one counts its
+// analytic ring volume into the caller's CommBytes and returns the c10d Work, so the caller
+// decides where to wait (the runtime waits where the result is consumed).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "fsdp/metrics.h"
+
+namespace fsdp {
+
+using GroupPtr = c10::intrusive_ptr<c10d::Backend>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// out (G·n elements) <- concatenation of every rank's `in` (n elements), in group-rank order.
+WorkPtr all_gather_into(const GroupPtr& group, at::Tensor out, at::Tensor in, CommBytes& stats);
+// out (n elements) <- this rank's chunk of the sum over ranks of `in` (G·n elements).
+WorkPtr reduce_scatter_sum(const GroupPtr& group, at::Tensor out, at::Tensor in, CommBytes& stats);
+// t <- sum over ranks of t, in place.
+WorkPtr all_reduce_sum(const GroupPtr& group, at::Tensor t, CommBytes& stats);
+
+// Waits and turns a backend failure (a peer that died, a timeout) into an error that names the
+// collective, instead of the backend's bare message.
+void wait_for(const WorkPtr& work, const char* what);
+
+}  // namespace fsdp

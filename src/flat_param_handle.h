@@ -1,0 +1,102 @@
+// One FSDP unit's storage and state machine (paper §3.2.1, §4.2: the FlatParamHandle).
+//
+// The unit's original parameters keep their identity (same TensorImpl, same name, so modules'
+// typed members and optimizers keep working); what changes is the data they point at:
+//
+//   SHARDED   each parameter is a view into this rank's shard (1-D slice of what this rank owns;
+//             with F = 1 the whole parameter in its own shape). The unsharded buffer has a
+//             0-byte storage.
+//   UNSHARDED the unsharded buffer's storage is regrown and all-gathered, and each parameter is a
+//             view of its original shape into it.
+//
+// Why storage is resized in place rather than reallocated: autograd saves views of parameters
+// for backward; those views share the buffer's StorageImpl, so regrowing that same storage makes
+// them valid again without re-running forward.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "collectives.h"
+#include "flat_param.h"
+
+namespace fsdp {
+
+enum class HandleState { SHARDED, UNSHARDED };
+
+struct HandleConfig {
+  int shard_size = 1;       // F
+  int shard_rank = 0;       // this rank's index in its shard group
+  int world_size = 1;       // data-parallel ranks W (gradients are averaged over them)
+  GroupPtr shard_group;     // F ranks
+  GroupPtr replicate_group; // W / F ranks
+};
+
+class FlatParamHandle {
+ public:
+  FlatParamHandle(std::string name, std::vector<std::string> fqns, std::vector<at::Tensor> params,
+                  HandleConfig config, CommBytes* comm);
+  ~FlatParamHandle();
+  FlatParamHandle(const FlatParamHandle&) = delete;
+  FlatParamHandle& operator=(const FlatParamHandle&) = delete;
+
+  const std::string& name() const { return name_; }
+  const FlatParamLayout& layout() const { return layout_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  HandleState state() const { return state_; }
+  int shard_size() const { return config_.shard_size; }
+
+  // Storage identity, for recognising this unit's tensors among an operator's inputs.
+  const c10::StorageImpl* shard_storage() const { return shard_.storage().unsafeGetStorageImpl(); }
+  const c10::StorageImpl* unsharded_storage() const { return full_.storage().unsafeGetStorageImpl(); }
+
+  // SHARDED -> UNSHARDED: regrow the buffer, all-gather into it, point parameters at it.
+  void unshard();
+  // UNSHARDED -> SHARDED: point parameters back at the shard and free the buffer.
+  void reshard();
+
+  // Start of an iteration: take the sharded gradients the user holds (possibly none after
+  // zero_grad) off the parameters, so autograd accumulates this iteration's unsharded gradients
+  // into empty .grad fields of the unsharded shape.
+  void stash_grads();
+  // After backward computed this unit's unsharded gradients: reduce them (reduce-scatter in the
+  // shard group, then all-reduce across replicas, divided by W) and add them to the stashed
+  // sharded gradients. With no_sync, add them to a local unsharded accumulator instead and reduce
+  // that with the next synchronized backward.
+  void reduce_grads(bool no_sync);
+  // End of an iteration (requires SHARDED): give the parameters their sharded gradients back.
+  void restore_grads();
+  bool has_unreduced_grads() const;
+
+  int64_t sharded_param_bytes() const;
+  int64_t sharded_grad_bytes() const;
+  int64_t unsharded_bytes() const;        // unsharded parameter buffer allocated now (F > 1)
+  int64_t unsharded_grad_bytes() const;   // no_sync accumulator allocated now
+  int64_t unsharded_capacity_bytes() const { return layout_.padded_numel() * element_size_; }
+
+ private:
+  void resize_unsharded(bool allocate);
+
+  std::string name_;
+  FlatParamLayout layout_;
+  std::vector<at::Tensor> params_;
+  HandleConfig config_;
+  CommBytes* comm_;
+  HandleState state_ = HandleState::SHARDED;
+  int64_t element_size_ = 4;
+
+  at::Tensor shard_;                      // [shard_numel], this rank's part of the flat parameter
+  at::Tensor full_;                       // [padded_numel], 0-byte storage while SHARDED (F > 1)
+  std::vector<at::Tensor> sharded_views_; // per parameter, into shard_
+  std::vector<at::Tensor> full_views_;    // per parameter, into full_, original shapes
+  std::vector<ShardSlice> slices_;        // this rank's slice of each parameter
+
+  std::vector<at::Tensor> grads_;         // sharded gradients handed to parameters at the end
+  at::Tensor grad_shard_;                 // [shard_numel] storage behind grads_
+  at::Tensor no_sync_accum_;              // [padded_numel] unsharded gradients under no_sync
+  std::vector<bool> no_sync_got_;         // which parameters the accumulator holds gradients of
+};
+
+}  // namespace fsdp

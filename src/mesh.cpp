@@ -1,0 +1,214 @@
+#include "fsdp/mesh.h"
+
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace fsdp {
+namespace {
+
+const char* kLaunchHelp =
+    "Launch with torchrun (torchrun --nproc-per-node N --no-python ./program ...), or let the "
+    "program spawn its own ranks with --nproc-per-node N.";
+
+int env_int(const char* name, bool required, int fallback, int min_value) {
+  const char* raw = std::getenv(name);
+  if (raw == nullptr || *raw == '\0') {
+    if (!required) return fallback;
+    throw std::invalid_argument(std::string("fsdp: environment variable ") + name +
+                                " is not set. " + kLaunchHelp);
+  }
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(raw, &end, 10);
+  if (errno != 0 || end == raw || *end != '\0' || v < min_value || v > (1L << 30)) {
+    throw std::invalid_argument(std::string("fsdp: environment variable ") + name + "='" + raw +
+                                "' is not an integer >= " + std::to_string(min_value) + ". " +
+                                kLaunchHelp);
+  }
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+LaunchEnv LaunchEnv::from_environment() {
+  LaunchEnv e;
+  e.world_size = env_int("WORLD_SIZE", true, 1, 1);
+  e.rank = env_int("RANK", true, 0, 0);
+  if (e.rank >= e.world_size) {
+    throw std::invalid_argument("fsdp: RANK=" + std::to_string(e.rank) + " is not below WORLD_SIZE=" +
+                                std::to_string(e.world_size) + ". " + kLaunchHelp);
+  }
+  e.local_world_size = env_int("LOCAL_WORLD_SIZE", false, e.world_size, 1);
+  e.local_rank = env_int("LOCAL_RANK", false, e.rank % e.local_world_size, 0);
+  if (e.local_rank >= e.local_world_size) {
+    throw std::invalid_argument("fsdp: LOCAL_RANK=" + std::to_string(e.local_rank) +
+                                " is not below LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size));
+  }
+  if (e.world_size % e.local_world_size != 0) {
+    throw std::invalid_argument("fsdp: WORLD_SIZE=" + std::to_string(e.world_size) +
+                                " is not a multiple of LOCAL_WORLD_SIZE=" +
+                                std::to_string(e.local_world_size) + " (ranks per node)");
+  }
+  const bool multi = e.world_size > 1;
+  const char* addr = std::getenv("MASTER_ADDR");
+  if (addr != nullptr && *addr != '\0') {
+    e.master_addr = addr;
+  } else if (multi) {
+    throw std::invalid_argument(std::string("fsdp: environment variable MASTER_ADDR is not set. ") + kLaunchHelp);
+  }
+  e.master_port = env_int("MASTER_PORT", multi, 29500, 1);
+  if (e.master_port > 65535) {
+    throw std::invalid_argument("fsdp: MASTER_PORT=" + std::to_string(e.master_port) +
+                                " is not a TCP port (1..65535)");
+  }
+  return e;
+}
+
+std::shared_ptr<Mesh> Mesh::single_process() {
+  std::shared_ptr<Mesh> mesh(new Mesh(LaunchEnv{}, MeshOptions{}));
+  mesh->store_ = c10::make_intrusive<c10d::HashStore>();
+  mesh->world_ = mesh->make_group("world", 0, 1);
+  return mesh;
+}
+
+std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
+  if (env.world_size == 1) {
+    auto mesh = single_process();
+    mesh->options_ = options;
+    return mesh;
+  }
+  std::shared_ptr<Mesh> mesh(new Mesh(env, options));
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env.master_port);
+  so.isServer = env.rank == 0;
+  so.numWorkers = env.world_size;
+  so.waitWorkers = true;
+  so.timeout = options.init_timeout;
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  const std::string secs = std::to_string(options.init_timeout.count() / 1000);
+  try {
+    mesh->store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(
+        "fsdp: rank " + std::to_string(env.rank) + " could not rendezvous at " + where + " within " +
+        secs + " s: " + (env.rank == 0 ? "not every rank of WORLD_SIZE=" + std::to_string(env.world_size) +
+                                             " arrived (a rank was not started or crashed early)"
+                                       : "rank 0 (the store host) is not reachable") +
+        ". Start all WORLD_SIZE ranks with the same MASTER_ADDR and MASTER_PORT, and check that "
+        "the port is free. (" + e.what() + ")");
+  }
+  // Every rank states the world size it was launched with; a mismatch is reported by every rank
+  // that can see it, before any process group waits for ranks that will never come.
+  const std::string mine = std::to_string(env.world_size);
+  mesh->store_->set("fsdp/launch/" + std::to_string(env.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  for (int r = 0; r < env.world_size; ++r) {
+    std::vector<uint8_t> theirs;
+    try {
+      theirs = mesh->store_->get("fsdp/launch/" + std::to_string(r));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("fsdp: rank " + std::to_string(r) + " never arrived at " + where +
+                               " within " + secs + " s; start all " + mine + " ranks. (" + e.what() + ")");
+    }
+    const std::string s(theirs.begin(), theirs.end());
+    if (s != mine) {
+      throw std::runtime_error("fsdp: world size mismatch: this rank (" + std::to_string(env.rank) +
+                               ") has WORLD_SIZE=" + mine + " but rank " + std::to_string(r) +
+                               " has WORLD_SIZE=" + s + ". Launch every rank with the same WORLD_SIZE.");
+    }
+  }
+  mesh->world_ = mesh->make_group("world", env.rank, env.world_size);
+  return mesh;
+}
+
+GroupPtr Mesh::make_group(const std::string& name, int group_rank, int group_size) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
+  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  if (env_.world_size > 1 && env_.master_addr != "127.0.0.1" && env_.master_addr != "localhost") {
+    // Multi-node: bind to the interface that reaches the master, not loopback.
+    opts->devices.clear();
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  opts->threads = 2;
+  try {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("fsdp/pg/" + name, store_), group_rank, group_size, opts);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("fsdp: could not build process group '" + name + "' on rank " +
+                             std::to_string(env_.rank) + ": a peer rank did not arrive or exited. (" +
+                             e.what() + ")");
+  }
+}
+
+const ShardingGroups& Mesh::groups(int shard_size) {
+  auto it = groups_.find(shard_size);
+  if (it != groups_.end()) return it->second;
+  const int W = env_.world_size;
+  if (shard_size < 1 || shard_size > W || W % shard_size != 0) {
+    throw std::invalid_argument("fsdp: sharding factor F=" + std::to_string(shard_size) +
+                                " does not divide the world size W=" + std::to_string(W) +
+                                ". Choose F among the divisors of W (F=W: full sharding, F=1: "
+                                "replication, 1<F<W: hybrid sharding within groups of F ranks).");
+  }
+  ShardingGroups g;
+  g.shard_size = shard_size;
+  const int replica = env_.rank / shard_size;  // which shard group (node) this rank is in
+  const int shard_rank = env_.rank % shard_size;
+  if (shard_size == W) {
+    g.shard = world_;
+  } else {
+    g.shard = make_group("F" + std::to_string(shard_size) + "/shard/" + std::to_string(replica),
+                         shard_rank, shard_size);
+  }
+  if (shard_size == 1) {
+    g.replicate = world_;
+  } else {
+    g.replicate = make_group("F" + std::to_string(shard_size) + "/replicate/" + std::to_string(shard_rank),
+                             replica, W / shard_size);
+  }
+  return groups_.emplace(shard_size, std::move(g)).first->second;
+}
+
+void Mesh::check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe) {
+  if (env_.world_size == 1) return;
+  const std::string key = "fsdp/check/" + std::to_string(checks_++) + "/";
+  store_->set(key + std::to_string(env_.rank), std::vector<uint8_t>(describe.begin(), describe.end()));
+  // All-gather the fingerprints so every rank learns whether any rank differs.
+  auto mine = at::full({1}, static_cast<int64_t>(fingerprint), at::kLong);
+  auto all = at::empty({env_.world_size}, at::kLong);
+  world_->_allgather_base(all, mine)->wait();
+  int bad = -1;
+  for (int r = 0; r < env_.world_size; ++r) {
+    if (all[r].item<int64_t>() != all[0].item<int64_t>()) { bad = r; break; }
+  }
+  if (bad < 0) return;
+  auto text = store_->get(key + "0");
+  const std::string ref(text.begin(), text.end());
+  std::string diff = "";
+  if (describe != ref) {
+    std::istringstream a(describe), b(ref);
+    std::string la, lb;
+    int line = 0;
+    while (true) {
+      bool ga = static_cast<bool>(std::getline(a, la)), gb = static_cast<bool>(std::getline(b, lb));
+      ++line;
+      if (!ga && !gb) break;
+      if (!ga || !gb || la != lb) {
+        diff = " First difference (item " + std::to_string(line) + "): this rank has '" +
+               (ga ? la : "<nothing>") + "', rank 0 has '" + (gb ? lb : "<nothing>") + "'.";
+        break;
+      }
+    }
+  }
+  throw std::runtime_error("fsdp: " + what + " differs across ranks (rank " + std::to_string(bad) +
+                           " differs from rank 0; this is rank " + std::to_string(env_.rank) + ")." + diff +
+                           " Every rank must build the same model with the same options.");
+}
+
+}  // namespace fsdp

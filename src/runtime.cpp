@@ -1,0 +1,325 @@
+#include "runtime.h"
+
+#include <cmath>
+#include <sstream>
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace fsdp {
+namespace {
+
+// Fires inside AccumulateGrad once a parameter's gradient for this backward is complete: the
+// paper's signal for "this unit's gradients may be reduced now" (§4.3).
+struct GradReadyHook : torch::autograd::PostAccumulateGradHook {
+  GradReadyHook(std::weak_ptr<Runtime> rt, size_t unit, size_t param) : rt_(std::move(rt)), unit_(unit), param_(param) {}
+  void operator()(const torch::autograd::Variable&) override {
+    if (auto rt = rt_.lock()) rt->on_grad_accumulated(unit_, param_);
+  }
+  std::weak_ptr<Runtime> rt_;
+  size_t unit_, param_;
+};
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+}  // namespace
+
+Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> mesh, Options options)
+    : root_(std::move(root)), mesh_(std::move(mesh)), options_(std::move(options)) {
+  TORCH_CHECK(root_ && mesh_, "fsdp: FullyShardedDataParallel needs a module and a mesh");
+  const int W = mesh_->world_size();
+  switch (options_.strategy) {
+    case ShardingStrategy::FULL_SHARD: shard_size_ = W; reshard_after_forward_ = true; break;
+    case ShardingStrategy::SHARD_GRAD_OP: shard_size_ = W; reshard_after_forward_ = false; break;
+    case ShardingStrategy::NO_SHARD: shard_size_ = 1; reshard_after_forward_ = false; break;
+    case ShardingStrategy::HYBRID_SHARD:
+    case ShardingStrategy::HYBRID_SHARD_ZERO2:
+      shard_size_ = options_.shard_size > 0 ? options_.shard_size : mesh_->env().local_world_size;
+      reshard_after_forward_ = options_.strategy == ShardingStrategy::HYBRID_SHARD;
+      break;
+  }
+  if (shard_size_ < 1 || W % shard_size_ != 0) {
+    throw std::invalid_argument("fsdp: " + to_string(options_.strategy) + " with shard size F=" +
+                                std::to_string(shard_size_) + " needs F to divide the world size W=" +
+                                std::to_string(W) + "; pass a divisor of W as the shard size");
+  }
+
+  plans_ = decompose(*root_, options_.auto_wrap_policy);
+
+  // Every rank must cut the same model the same way, or the collectives below would pair up
+  // different buffers (or hang): compare a fingerprint before the first collective on parameters.
+  std::ostringstream desc;
+  desc << "strategy " << to_string(options_.strategy) << " F=" << shard_size_ << "\n";
+  for (const auto& item : root_->named_parameters(true)) {
+    desc << "param " << item.key() << " " << item.value().sizes() << " " << item.value().dtype()
+         << " requires_grad=" << item.value().requires_grad() << "\n";
+  }
+  for (const auto& u : plans_) {
+    desc << "unit '" << u.name << "':";
+    for (const auto& f : u.fqns) desc << " " << f;
+    desc << "\n";
+  }
+  mesh_->check_same_on_all_ranks("the model structure (parameter names, shapes, dtypes) or the FSDP options",
+                                 fnv1a(desc.str()), desc.str());
+
+  const ShardingGroups& groups = mesh_->groups(shard_size_);
+  HandleConfig cfg;
+  cfg.shard_size = shard_size_;
+  cfg.shard_rank = mesh_->rank() % shard_size_;
+  cfg.world_size = W;
+  cfg.shard_group = groups.shard;
+  cfg.replicate_group = groups.replicate;
+  for (size_t u = 0; u < plans_.size(); ++u) {
+    handles_.push_back(std::make_unique<FlatParamHandle>(plans_[u].name.empty() ? "<root>" : plans_[u].name,
+                                                         plans_[u].fqns, plans_[u].params, cfg, &comm_));
+    touch::register_storage(this, u, handles_[u]->shard_storage());
+    if (shard_size_ > 1) touch::register_storage(this, u, handles_[u]->unsharded_storage());
+    for (size_t i = 0; i < plans_[u].params.size(); ++i) {
+      param_index_.emplace(plans_[u].params[i].unsafeGetTensorImpl(), std::make_pair(u, i));
+    }
+    if (plans_[u].is_root) root_unit_ = u;
+  }
+  expected_.resize(handles_.size());
+  for (size_t u = 0; u < handles_.size(); ++u) expected_[u].assign(handles_[u]->params().size(), false);
+  expected_count_.assign(handles_.size(), 0);
+  ready_count_.assign(handles_.size(), 0);
+  for (const auto& h : handles_) memory_.sharded_params += h->sharded_param_bytes();
+}
+
+void Runtime::install_hooks() {
+  for (size_t u = 0; u < handles_.size(); ++u) {
+    const auto& params = handles_[u]->params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].requires_grad()) continue;
+      torch::autograd::impl::set_post_acc_grad_hooks(
+          params[i], std::make_unique<GradReadyHook>(weak_from_this(), u, i));
+    }
+  }
+}
+
+Runtime::~Runtime() { touch::unregister_sink(this); }
+
+bool Runtime::contains(size_t outer, size_t inner) const {
+  return plans_[outer].subtree.count(plans_[inner].module) > 0;
+}
+
+void Runtime::note_memory() {
+  int64_t cur = 0, grads = 0;
+  for (const auto& h : handles_) {
+    cur += h->unsharded_bytes();
+    grads += h->unsharded_grad_bytes();
+  }
+  memory_.unsharded_current = cur;
+  memory_.unsharded_peak = std::max(memory_.unsharded_peak, cur);
+  memory_.unsharded_grads_current = grads;
+  memory_.unsharded_grads_peak = std::max(memory_.unsharded_grads_peak, grads);
+}
+
+void Runtime::unshard_unit(size_t unit) {
+  if (handles_[unit]->state() == HandleState::UNSHARDED) return;
+  handles_[unit]->unshard();
+  note_memory();
+}
+
+void Runtime::reshard_unit(size_t unit) {
+  handles_[unit]->reshard();
+  note_memory();
+}
+
+void Runtime::begin_forward() {
+  TORCH_CHECK(phase_ != Phase::BACKWARD && phase_ != Phase::FORWARD,
+              "fsdp: the root's forward was called inside its own forward or backward; "
+              "call it once per micro-batch, outside backward");
+  if (phase_ == Phase::IDLE) {
+    for (auto& h : handles_) h->stash_grads();
+    touch::arm(this);
+  }
+  phase_ = Phase::FORWARD;
+  touch::set_forward_thread(true);
+}
+
+void Runtime::end_forward(const std::vector<at::Tensor>& outputs, bool ok) {
+  touch::set_forward_thread(false);
+  current_unit_.reset();
+  bool builds_graph = false;
+  if (ok) {
+    for (const auto& out : outputs) {
+      if (!out.defined() || !out.requires_grad()) continue;
+      builds_graph = true;
+      // The first gradient reaching a root output marks the start of backward.
+      std::weak_ptr<Runtime> weak = weak_from_this();
+      at::Tensor(out).register_hook([weak](const at::Tensor&) {
+        if (auto rt = weak.lock()) rt->on_backward_started();
+      });
+    }
+  }
+  backward_pending_ = backward_pending_ || builds_graph;
+  for (size_t u = 0; u < handles_.size(); ++u) {
+    if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard_unit(u);
+  }
+  if (backward_pending_) {
+    phase_ = Phase::FORWARD_DONE;
+  } else {
+    end_iteration();  // inference, or a forward without grad: nothing will come back
+  }
+}
+
+void Runtime::on_touch(size_t unit, const c10::TensorImpl* tensor) {
+  switch (phase_) {
+    case Phase::FORWARD: {
+      if (unit != root_unit_) {
+        // The previous unit's forward is over once another unit (not nested in it) starts.
+        if (current_unit_ && *current_unit_ != unit && reshard_after_forward_ && !contains(*current_unit_, unit)) {
+          reshard_unit(*current_unit_);
+        }
+        current_unit_ = unit;
+      }
+      unshard_unit(unit);
+      if (c10::GradMode::is_enabled()) {
+        auto it = param_index_.find(tensor);
+        if (it != param_index_.end() && it->second.first == unit) {
+          const size_t i = it->second.second;
+          if (!expected_[unit][i] && handles_[unit]->params()[i].requires_grad()) {
+            expected_[unit][i] = true;
+            ++expected_count_[unit];
+          }
+        }
+      }
+      break;
+    }
+    case Phase::FORWARD_DONE:
+      on_backward_started();
+      unshard_unit(unit);
+      break;
+    case Phase::BACKWARD:
+      unshard_unit(unit);
+      break;
+    case Phase::IDLE:
+      break;
+  }
+}
+
+void Runtime::on_backward_started() {
+  if (phase_ != Phase::FORWARD_DONE) return;
+  phase_ = Phase::BACKWARD;
+  std::weak_ptr<Runtime> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto rt = weak.lock()) rt->finish_backward();
+  });
+}
+
+void Runtime::on_grad_accumulated(size_t unit, size_t param) {
+  on_backward_started();
+  if (phase_ != Phase::BACKWARD || !expected_[unit][param]) return;
+  if (++ready_count_[unit] == expected_count_[unit]) {
+    // Every gradient forward made possible for this unit is in: reduce now, while backward goes
+    // on with the units before it.
+    handles_[unit]->reduce_grads(no_sync_);
+    reshard_unit(unit);
+  }
+}
+
+void Runtime::finish_backward() {
+  // Units whose gradients did not all arrive through the hooks (a parameter forward touched whose
+  // gradient never flowed) are reduced here, in unit order, the same on every rank.
+  for (auto& h : handles_) {
+    if (h->has_unreduced_grads()) h->reduce_grads(no_sync_);
+  }
+  note_memory();
+  end_iteration();
+}
+
+void Runtime::end_iteration() {
+  for (size_t u = 0; u < handles_.size(); ++u) {
+    reshard_unit(u);
+    handles_[u]->restore_grads();
+    std::fill(expected_[u].begin(), expected_[u].end(), false);
+  }
+  std::fill(expected_count_.begin(), expected_count_.end(), 0);
+  std::fill(ready_count_.begin(), ready_count_.end(), 0);
+  backward_pending_ = false;
+  current_unit_.reset();
+  phase_ = Phase::IDLE;
+  touch::disarm(this);
+}
+
+Metrics Runtime::metrics() const {
+  Metrics m;
+  m.step = step_;
+  m.comm = comm_;
+  m.memory = memory_;
+  m.memory.sharded_grads = 0;
+  for (const auto& h : handles_) m.memory.sharded_grads += h->sharded_grad_bytes();
+  return m;
+}
+
+void Runtime::reset_step() {
+  comm_ = CommBytes{};
+  memory_.unsharded_peak = memory_.unsharded_current;
+  memory_.unsharded_grads_peak = memory_.unsharded_grads_current;
+  ++step_;
+}
+
+double Runtime::clip_grad_norm(double max_norm) {
+  TORCH_CHECK(phase_ == Phase::IDLE, "fsdp: clip_grad_norm_ must be called after backward, before the optimizer step");
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& h : handles_) {
+    for (const auto& p : h->params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  at::Tensor sumsq = at::zeros({1}, at::kFloat);
+  for (const auto& g : grads) sumsq.add_(g.to(at::kFloat).pow(2).sum());
+  // Each element of a flat parameter lives on exactly one rank of its shard group (replicas hold
+  // copies), so the shard group's sum is the global sum of squares.
+  if (shard_size_ > 1) wait_for(all_reduce_sum(mesh_->groups(shard_size_).shard, sumsq, comm_), "all-reduce of the gradient norm");
+  const at::Tensor total = sumsq.sqrt();
+  const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
+  for (auto& g : grads) g.mul_(coef.to(g.dtype()));
+  return total.item<double>();
+}
+
+std::vector<UnitInfo> Runtime::units() const {
+  std::vector<UnitInfo> out;
+  for (size_t u = 0; u < handles_.size(); ++u) {
+    UnitInfo info;
+    info.name = plans_[u].name;
+    info.fqns = plans_[u].fqns;
+    info.numel = handles_[u]->layout().numel();
+    info.padded_numel = handles_[u]->layout().padded_numel();
+    info.shard_numel = handles_[u]->layout().shard_numel();
+    info.element_size = handles_[u]->params()[0].element_size();
+    info.is_root = plans_[u].is_root;
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+namespace detail {
+std::shared_ptr<Runtime> make_runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> mesh,
+                                      Options options) {
+  auto rt = std::make_shared<Runtime>(std::move(root), std::move(mesh), std::move(options));
+  rt->install_hooks();
+  return rt;
+}
+void begin_forward(Runtime& rt) { rt.begin_forward(); }
+void end_forward(Runtime& rt, const std::vector<at::Tensor>& outputs, bool ok) { rt.end_forward(outputs, ok); }
+Metrics metrics(const Runtime& rt) { return rt.metrics(); }
+void reset_step(Runtime& rt) { rt.reset_step(); }
+void set_no_sync(Runtime& rt, bool on) { rt.set_no_sync(on); }
+double clip_grad_norm(Runtime& rt, double max_norm) { return rt.clip_grad_norm(max_norm); }
+std::vector<UnitInfo> units(const Runtime& rt) { return rt.units(); }
+int shard_size(const Runtime& rt) { return rt.shard_size(); }
+}  // namespace detail
+
+}  // namespace fsdp

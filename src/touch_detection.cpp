@@ -1,0 +1,115 @@
+#include "touch_detection.h"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
+
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+namespace fsdp {
+namespace touch {
+namespace {
+
+struct Target {
+  const c10::StorageImpl* storage;
+  TouchSink* sink;
+  size_t unit;
+};
+
+std::shared_mutex g_mutex;               // guards g_targets and g_armed (rarely written)
+std::vector<Target> g_targets;
+std::vector<TouchSink*> g_armed;
+std::atomic<long> g_inspected{0};
+at::CallbackHandle g_handle = 0;
+bool g_enabled = false;
+
+thread_local bool t_in_callback = false;     // our own collectives and copies run operators too
+thread_local bool t_forward_thread = false;
+
+void inspect(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return;
+  const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  for (const Target& target : g_targets) {
+    if (target.storage != s) continue;
+    if (std::find(g_armed.begin(), g_armed.end(), target.sink) == g_armed.end()) return;
+    target.sink->on_touch(target.unit, t.unsafeGetTensorImpl());
+    return;
+  }
+}
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  if (t_in_callback) return nullptr;
+  // Only the thread running a root's forward, or a thread running backward. Gloo's worker
+  // threads, for one, also run operators on our buffers and must be left alone.
+  if (!t_forward_thread && torch::autograd::get_current_graph_task_id() == -1) return nullptr;
+  struct Reentry {
+    Reentry() { t_in_callback = true; }
+    ~Reentry() { t_in_callback = false; }  // also on exceptions: never leave the guard set
+  } reentry;
+  g_inspected.fetch_add(1, std::memory_order_relaxed);
+  std::shared_lock<std::shared_mutex> lock(g_mutex);
+  if (g_armed.empty()) return nullptr;
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) {
+      inspect(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) inspect(t);
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor()) inspect(e.toTensor());
+      }
+    }
+  }
+  return nullptr;
+}
+
+void set_enabled_locked(bool enable) {
+  if (enable == g_enabled) return;
+  if (g_handle == 0) {
+    g_handle = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_op_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  } else if (enable) {
+    at::reenableCallback(g_handle);
+  } else {
+    at::disableCallback(g_handle);
+  }
+  g_enabled = enable;
+}
+
+}  // namespace
+
+void register_storage(TouchSink* sink, size_t unit, const c10::StorageImpl* storage) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_targets.push_back(Target{storage, sink, unit});
+}
+
+void unregister_sink(TouchSink* sink) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_targets.erase(std::remove_if(g_targets.begin(), g_targets.end(),
+                                 [&](const Target& t) { return t.sink == sink; }),
+                  g_targets.end());
+  g_armed.erase(std::remove(g_armed.begin(), g_armed.end(), sink), g_armed.end());
+  set_enabled_locked(!g_armed.empty());
+}
+
+void arm(TouchSink* sink) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  if (std::find(g_armed.begin(), g_armed.end(), sink) == g_armed.end()) g_armed.push_back(sink);
+  set_enabled_locked(true);
+}
+
+void disarm(TouchSink* sink) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_armed.erase(std::remove(g_armed.begin(), g_armed.end(), sink), g_armed.end());
+  set_enabled_locked(!g_armed.empty());
+}
+
+void set_forward_thread(bool on) { t_forward_thread = on; }
+
+long inspected_ops() { return g_inspected.load(std::memory_order_relaxed); }
+
+}  // namespace touch
+}  // namespace fsdp

@@ -1,0 +1,42 @@
+// Knowing when a unit runs (DESIGN: "the hard part in C++"). libtorch modules have no forward
+// hooks and parents call children through typed members, so we watch operators instead: while a
+// root is inside forward or backward, a RecordFunction callback looks at each operator's input
+// tensors, and the first one whose storage is a unit's shard or unsharded buffer tells the
+// runtime that the unit is needed now (it unshards it before the operator reads anything).
+//
+// The callback is registered once per process and enabled only while some runtime is armed, so
+// code outside forward/backward pays nothing and never triggers a collective.
+#pragma once
+
+#include <cstddef>
+
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+
+namespace fsdp {
+
+class Runtime;
+
+// Called by the callback with the unit index the runtime registered and the touching tensor.
+struct TouchSink {
+  virtual ~TouchSink() = default;
+  virtual void on_touch(size_t unit, const c10::TensorImpl* tensor) = 0;
+};
+
+namespace touch {
+
+void register_storage(TouchSink* sink, size_t unit, const c10::StorageImpl* storage);
+void unregister_sink(TouchSink* sink);
+// Arming enables the callback for the calling sink; operators run by this thread (forward) or by
+// any thread executing an autograd graph task (backward) are then inspected.
+void arm(TouchSink* sink);
+void disarm(TouchSink* sink);
+
+// Marks the calling thread as running a root's forward (until set back to false).
+void set_forward_thread(bool on);
+
+// Operators inspected since the process started (a cost measure for benchmarks).
+long inspected_ops();
+
+}  // namespace touch
+}  // namespace fsdp
