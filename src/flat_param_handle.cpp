@@ -3,10 +3,20 @@
 #include <ATen/native/Resize.h>
 #include <c10/core/GradMode.h>
 
+#include <c10/util/strides.h>
+
 #include "device.h"
 
 namespace fsdp {
 namespace {
+// A tensor sharing `flat`'s storage at `offset` with `sizes`, made with set_ rather than a view
+// op: autograd does not treat it as a view, so optimizers may detach_() it (zero_grad does).
+at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+
 std::vector<std::vector<int64_t>> shapes_of(const std::vector<at::Tensor>& params) {
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& p : params) shapes.emplace_back(p.sizes().vec());
@@ -146,9 +156,8 @@ void FlatParamHandle::reduce_grads(bool no_sync) {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!got[i] && !grads_[i].defined()) continue;  // unused everywhere so far: stays None, as locally
     grads_[i] = config_.shard_size == 1
-                    ? reduced.narrow(0, layout_.entries()[i].offset, layout_.entries()[i].numel)
-                          .view(layout_.entries()[i].shape)
-                    : reduced.narrow(0, slices_[i].shard_offset, slices_[i].length);
+                    ? alias(reduced, layout_.entries()[i].offset, layout_.entries()[i].shape)
+                    : alias(reduced, slices_[i].shard_offset, {slices_[i].length});
   }
 }
 

@@ -100,6 +100,12 @@ void Runtime::install_hooks() {
     const auto& params = handles_[u]->params();
     for (size_t i = 0; i < params.size(); ++i) {
       if (!params[i].requires_grad()) continue;
+      // Runs just before AccumulateGrad: the parameter must have its unsharded shape then, even
+      // when no backward operator read it (the first layer's weight when the input needs no grad).
+      std::weak_ptr<Runtime> weak = weak_from_this();
+      at::Tensor(params[i]).register_hook([weak, u](const at::Tensor&) {
+        if (auto rt = weak.lock()) rt->on_grad_arriving(u);
+      });
       torch::autograd::impl::set_post_acc_grad_hooks(
           params[i], std::make_unique<GradReadyHook>(weak_from_this(), u, i));
     }
@@ -215,6 +221,11 @@ void Runtime::on_backward_started() {
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto rt = weak.lock()) rt->finish_backward();
   });
+}
+
+void Runtime::on_grad_arriving(size_t unit) {
+  on_backward_started();
+  if (phase_ == Phase::BACKWARD) unshard_unit(unit);
 }
 
 void Runtime::on_grad_accumulated(size_t unit, size_t param) {

@@ -38,6 +38,7 @@ class Runtime : public TouchSink, public std::enable_shared_from_this<Runtime> {
   void begin_forward();
   void end_forward(const std::vector<at::Tensor>& outputs, bool ok);
   void on_touch(size_t unit, const c10::TensorImpl* tensor) override;
+  void on_grad_arriving(size_t unit);
   void on_grad_accumulated(size_t unit, size_t param);
   void on_backward_started();
 

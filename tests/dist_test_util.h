@@ -1,0 +1,59 @@
+// Helpers for tests that run several ranks of build/bin/fsdp-test-worker.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace fsdp_test {
+
+inline std::string bin_dir() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  std::string self(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  return self.substr(0, self.rfind('/'));
+}
+
+inline std::string worker() { return bin_dir() + "/fsdp-test-worker"; }
+
+inline std::string temp_prefix(const std::string& name) {
+  return "/tmp/fsdp-test-" + std::to_string(::getpid()) + "-" + name;
+}
+
+struct Run {
+  int exit_code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+// Runs a shell command line (under a hard timeout so a hang fails the test instead of CI),
+// capturing stdout and stderr together.
+inline Run sh(const std::string& cmd, int timeout_s = 300) {
+  const std::string log = temp_prefix("sh") + "-" + std::to_string(std::rand()) + ".log";
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string full = "timeout -s KILL " + std::to_string(timeout_s) + " bash -c '" + cmd + "' > " + log + " 2>&1";
+  const int status = std::system(full.c_str());
+  Run r;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.output = ss.str();
+  std::remove(log.c_str());
+  return r;
+}
+
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("missing result file " + path);
+  return nlohmann::json::parse(in);
+}
+
+}  // namespace fsdp_test

@@ -1,0 +1,301 @@
+// One rank of a multi-process test. The gtest drivers (test_parity, test_accounting,
+// test_failure) launch W of these with fsdp's local launcher and assert on what they write.
+//
+//   fsdp-test-worker parity --strategy S [--shard-size F] [--variants all] --out PREFIX
+//       Trains the tiny GPT and the uneven net with SGD+momentum and AdamW for 5 steps under fsdp
+//       and, in the same process, a local single-process reference on the whole global batch;
+//       writes per-case max |Δparam| and max |Δloss| to PREFIX.<rank>.json.
+//   fsdp-test-worker accounting --strategy S [--shard-size F] --out PREFIX
+//       One training step of the tiny GPT; writes units, communication and memory metrics.
+//   fsdp-test-worker structure [--mismatch-rank R]
+//       Builds the model (rank R builds a different one) and exits.
+#include <fstream>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "fsdp/fsdp.h"
+#include "fsdp/launch.h"
+#include "models/data.h"
+#include "models/gpt.h"
+#include "src/flat_param.h"
+
+using json = nlohmann::json;
+
+namespace {
+
+constexpr int64_t kGlobalBatch = 12;  // divisible by every world size 1..4
+constexpr int kSteps = 5;
+
+struct Args {
+  std::string mode, strategy = "full_shard", out = "/tmp/fsdp-worker", variants = "plain";
+  int shard_size = 0, mismatch_rank = -1;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  a.mode = argc > 1 ? argv[1] : "";
+  for (int i = 2; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--strategy") a.strategy = v;
+    else if (k == "--shard-size") a.shard_size = std::stoi(v);
+    else if (k == "--out") a.out = v;
+    else if (k == "--variants") a.variants = v;
+    else if (k == "--mismatch-rank") a.mismatch_rank = std::stoi(v);
+    else throw std::invalid_argument("unknown flag " + k);
+  }
+  return a;
+}
+
+// A model under test: how to build it (same seed, same weights), its units, and its loss on a
+// slice [begin, end) of step `step`'s global batch.
+struct Case {
+  std::string name;
+  std::function<std::shared_ptr<torch::nn::Module>()> build;
+  fsdp::WrapPolicy policy;
+  std::function<torch::Tensor(torch::nn::Module&, int64_t step, int64_t begin, int64_t end, bool through_fsdp,
+                              void* fsdp_wrapper)> loss;
+};
+
+const models::TokenSource& corpus() {
+  static models::TokenSource src = models::TokenSource::from_path(models::kDefaultCorpus);
+  return src;
+}
+
+std::pair<torch::Tensor, torch::Tensor> uneven_batch(int64_t step, int64_t begin, int64_t end) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  auto x = at::randn({kGlobalBatch, 16}, gen, at::kFloat);
+  auto y = at::randn({kGlobalBatch, 16}, gen, at::kFloat);
+  return {x.slice(0, begin, end), y.slice(0, begin, end)};
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optim(const std::string& kind, torch::nn::Module& m) {
+  if (kind == "sgd") {
+    return std::make_unique<torch::optim::SGD>(m.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  // Per-parameter groups: no weight decay on biases and norms (1-D originals), as users do.
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& item : m.named_parameters()) {
+    const bool is_1d = item.key().find("bias") != std::string::npos || item.key().find("ln") != std::string::npos ||
+                       item.key().find("n.") == 0;
+    (is_1d ? no_decay : decay).push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(3e-3).weight_decay(0.1)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(3e-3).weight_decay(0.0)));
+  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(3e-3));
+}
+
+// Unique parameters by first name.
+std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : m.named_parameters()) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+template <typename Forward>
+torch::Tensor gpt_loss(Forward&& fwd, int64_t step, int64_t begin, int64_t end) {
+  auto cfg = models::GPTConfig::preset("tiny");
+  auto [x, y] = corpus().batch(step, kGlobalBatch, cfg.block_size, 7, begin, end);
+  return models::lm_loss(fwd(x), y);
+}
+
+json run_parity_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const std::string& model,
+                     const std::string& optim, const std::string& variant) {
+  const int W = mesh->world_size(), rank = mesh->rank();
+  const int64_t per_rank = kGlobalBatch / W, begin = rank * per_rank, end = begin + per_rank;
+  auto build = [&]() -> std::shared_ptr<torch::nn::Module> {
+    torch::manual_seed(0);
+    if (model == "gpt") return models::GPT(models::GPTConfig::preset("tiny")).ptr();
+    return models::UnevenNet().ptr();
+  };
+  if (std::getenv("FSDP_TEST_VERBOSE")) std::cerr << "case " << model << " " << optim << " " << variant << std::endl;
+  auto ref = build();
+  auto mine = build();
+  opts.auto_wrap_policy = model == "gpt" ? fsdp::module_type_policy<models::BlockImpl>()
+                                         : fsdp::module_type_policy<torch::nn::LinearImpl>();
+  fsdp::FullyShardedDataParallel<torch::nn::Module> sharded(mine, mesh, opts);
+  auto ref_opt = make_optim(optim, *ref);
+  auto my_opt = make_optim(optim, *mine);
+
+  // Loss of a module on a batch slice; `fwd` runs the module (locally or through the root).
+  auto loss_on = [&](auto&& fwd, int64_t step, int64_t b, int64_t e) {
+    if (model == "gpt") return gpt_loss(fwd, step, b, e);
+    auto [x, y] = uneven_batch(step, b, e);
+    return torch::mse_loss(fwd(x), y);
+  };
+  auto ref_fwd = [&](const torch::Tensor& x) {
+    return model == "gpt" ? std::dynamic_pointer_cast<models::GPTImpl>(ref)->forward(x)
+                          : std::dynamic_pointer_cast<models::UnevenNetImpl>(ref)->forward(x);
+  };
+  auto my_fwd = [&](const torch::Tensor& x) {
+    // The root wrapper is typed on Module here, so call the concrete forward inside its scope.
+    fsdp::detail::begin_forward(sharded.runtime());
+    auto out = model == "gpt" ? std::dynamic_pointer_cast<models::GPTImpl>(mine)->forward(x)
+                              : std::dynamic_pointer_cast<models::UnevenNetImpl>(mine)->forward(x);
+    fsdp::detail::end_forward(sharded.runtime(), {out}, true);
+    return out;
+  };
+
+  double max_loss_diff = 0, ref_norm = 0, my_norm = 0, max_norm_diff = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    ref_opt->zero_grad();
+    my_opt->zero_grad();
+    auto ref_loss = loss_on(ref_fwd, step, 0, kGlobalBatch);
+    ref_loss.backward();
+    if (std::getenv("FSDP_TEST_VERBOSE")) std::cerr << "step " << step << " ref done" << std::endl;
+    torch::Tensor my_loss;
+    // Micro-batches of a rank's slice may differ in size (3 = 1 + 2): weight each mean by its share.
+    const int64_t mid = begin + per_rank / 2;
+    const double w1 = double(mid - begin) / per_rank, w2 = double(end - mid) / per_rank;
+    if (variant == "two_forwards") {
+      // Two forwards, one backward: the mean of the halves' means is the slice's mean.
+      auto l1 = loss_on(my_fwd, step, begin, mid), l2 = loss_on(my_fwd, step, mid, end);
+      my_loss = l1 * w1 + l2 * w2;
+      my_loss.backward();
+    } else if (variant == "accum" || variant == "no_sync") {
+      // Two micro-batches accumulated into one step, with or without communicating the first.
+      torch::Tensor l1;
+      if (variant == "no_sync") {
+        auto guard = sharded.no_sync();
+        l1 = loss_on(my_fwd, step, begin, mid) * w1;
+        l1.backward();
+      } else {
+        l1 = loss_on(my_fwd, step, begin, mid) * w1;
+        l1.backward();
+      }
+      auto l2 = loss_on(my_fwd, step, mid, end) * w2;
+      l2.backward();
+      my_loss = l1.detach() + l2.detach();
+    } else {
+      my_loss = loss_on(my_fwd, step, begin, end);
+      my_loss.backward();
+    }
+    if (variant == "clip") {
+      // Unique parameters: libtorch's parameters() lists a tied weight twice, which would count
+      // (and scale) its gradient twice.
+      std::vector<torch::Tensor> ref_unique;
+      for (auto& kv : unique_params(*ref)) ref_unique.push_back(kv.second);
+      ref_norm = torch::nn::utils::clip_grad_norm_(ref_unique, 0.05);
+      my_norm = sharded.clip_grad_norm_(0.05);
+      max_norm_diff = std::max(max_norm_diff, std::abs(ref_norm - my_norm));
+    }
+    if (std::getenv("FSDP_TEST_VERBOSE")) std::cerr << "step " << step << " optim" << std::endl;
+    ref_opt->step();
+    my_opt->step();
+    // The global loss is the mean of the ranks' means (equal slices).
+    auto global = my_loss.detach().reshape({1}).clone();
+    std::vector<at::Tensor> v{global};
+    mesh->world()->allreduce(v)->wait();
+    max_loss_diff = std::max(max_loss_diff, std::abs(global.item<double>() / W - ref_loss.item<double>()));
+  }
+
+  // Compare this rank's shard of every parameter with the same elements of the reference.
+  auto ref_params = unique_params(*ref);
+  std::map<std::string, torch::Tensor> ref_by_name(ref_params.begin(), ref_params.end());
+  double max_param_diff = 0;
+  const int F = sharded.shard_size();
+  for (const auto& unit : sharded.units()) {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& f : unit.fqns) shapes.push_back(ref_by_name.at(f).sizes().vec());
+    fsdp::FlatParamLayout layout(unit.fqns, shapes, F);
+    for (size_t i = 0; i < unit.fqns.size(); ++i) {
+      auto s = layout.slice(i, rank % F);
+      auto mine_p = mine->named_parameters()[unit.fqns[i]].detach().reshape(-1);
+      auto ref_p = ref_by_name.at(unit.fqns[i]).detach().reshape(-1).narrow(0, s.param_begin, s.length);
+      if (mine_p.numel() != s.length) throw std::runtime_error("shard of " + unit.fqns[i] + " has the wrong size");
+      if (s.length > 0) max_param_diff = std::max(max_param_diff, (mine_p - ref_p).abs().max().item<double>());
+    }
+  }
+  // An unused parameter must keep no gradient, as in local training.
+  bool unused_grad_none = true;
+  if (model == "uneven") unused_grad_none = !mine->named_parameters()["unused"].grad().defined();
+  return json{{"model", model}, {"optim", optim}, {"variant", variant}, {"max_param_diff", max_param_diff},
+              {"max_loss_diff", max_loss_diff}, {"max_norm_diff", max_norm_diff}, {"unused_grad_none", unused_grad_none}};
+}
+
+fsdp::Options options_from(const Args& a) {
+  fsdp::Options o;
+  o.strategy = fsdp::parse_strategy(a.strategy);
+  o.shard_size = a.shard_size;
+  return o;
+}
+
+void write(const Args& a, int rank, const json& j) {
+  std::ofstream(a.out + "." + std::to_string(rank) + ".json") << j.dump(1) << "\n";
+}
+
+int run(const Args& a) {
+  torch::set_num_threads(1);
+  auto mesh = fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
+  const int rank = mesh->rank();
+  if (a.mode == "parity") {
+    json cases = json::array();
+    for (std::string model : {"gpt", "uneven"}) {
+      for (std::string optim : {"sgd", "adamw"}) cases.push_back(run_parity_case(mesh, options_from(a), model, optim, "plain"));
+    }
+    if (a.variants == "all") {
+      for (std::string v : {"two_forwards", "accum", "no_sync", "clip"}) {
+        cases.push_back(run_parity_case(mesh, options_from(a), "gpt", "sgd", v));
+        cases.push_back(run_parity_case(mesh, options_from(a), "uneven", "adamw", v));
+      }
+    }
+    write(a, rank, json{{"rank", rank}, {"cases", cases}});
+    return 0;
+  }
+  if (a.mode == "accounting") {
+    torch::manual_seed(0);
+    models::GPT gpt(models::GPTConfig::preset("tiny"));
+    fsdp::Options o = options_from(a);
+    o.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+    fsdp::FullyShardedDataParallel sharded(gpt, mesh, o);
+    torch::optim::SGD opt(gpt->parameters(), torch::optim::SGDOptions(0.1));
+    const int64_t per = kGlobalBatch / mesh->world_size();
+    json steps = json::array();
+    for (int step = 0; step < 2; ++step) {
+      sharded.reset_step();
+      opt.zero_grad();
+      auto loss = gpt_loss([&](const torch::Tensor& x) { return sharded.forward(x); }, step, rank * per, rank * per + per);
+      loss.backward();
+      opt.step();
+      auto m = sharded.metrics();
+      steps.push_back(json{{"all_gather", m.comm.all_gather}, {"reduce_scatter", m.comm.reduce_scatter},
+                           {"all_reduce", m.comm.all_reduce}, {"sharded_params", m.memory.sharded_params},
+                           {"sharded_grads", m.memory.sharded_grads}, {"unsharded_peak", m.memory.unsharded_peak},
+                           {"unsharded_current", m.memory.unsharded_current}});
+    }
+    json units = json::array();
+    for (const auto& u : sharded.units()) {
+      units.push_back(json{{"name", u.name}, {"numel", u.numel}, {"padded_numel", u.padded_numel},
+                           {"shard_numel", u.shard_numel}, {"is_root", u.is_root}, {"element_size", u.element_size}});
+    }
+    write(a, rank, json{{"rank", rank}, {"world_size", mesh->world_size()}, {"shard_size", sharded.shard_size()},
+                        {"units", units}, {"steps", steps}});
+    return 0;
+  }
+  if (a.mode == "structure") {
+    torch::manual_seed(0);
+    auto cfg = models::GPTConfig::preset("tiny");
+    if (rank == a.mismatch_rank) cfg.d_model += 2;  // a different model on one rank
+    models::GPT gpt(cfg);
+    fsdp::FullyShardedDataParallel sharded(gpt, mesh, options_from(a));
+    return 0;
+  }
+  throw std::invalid_argument("unknown mode '" + a.mode + "'");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-test-worker: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
