@@ -1,1 +1,190 @@
-int main(){return 0;}
+// fsdp-train: the main job. Trains a GPT-style decoder (plain libtorch, models/gpt.h) on real text
+// with a byte-level tokenizer, sharded with fsdp across local ranks (--nproc-per-node) or ranks
+// started by torchrun. The global batch is fixed whatever the world size, so runs at different W
+// compute the same math.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "fsdp/fsdp.h"
+#include "fsdp/launch.h"
+#include "models/data.h"
+#include "models/gpt.h"
+
+namespace {
+
+struct Config {
+  std::string strategy = "full_shard";
+  int shard_size = 0;
+  int steps = 300;
+  int64_t global_batch = 16;
+  uint64_t seed = 1234;
+  std::string metrics_jsonl;
+  std::string data = models::kDefaultCorpus;
+  std::string model = "default";
+  int64_t block_size = 0;  // 0: the preset's
+  double lr = 2e-3;
+  double weight_decay = 0.1;
+  double clip = 1.0;
+  int log_every = 10;
+};
+
+// One JSON line per write() on an O_APPEND descriptor: ranks can share the file.
+class JsonlWriter {
+ public:
+  explicit JsonlWriter(const std::string& path) {
+    if (path.empty()) return;
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd_ < 0) throw std::runtime_error("cannot open --metrics-jsonl file '" + path + "' for appending");
+  }
+  ~JsonlWriter() { if (fd_ >= 0) ::close(fd_); }
+  void write(const nlohmann::json& j) {
+    if (fd_ < 0) return;
+    const std::string line = j.dump() + "\n";
+    if (::write(fd_, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+      throw std::runtime_error("writing the metrics file failed");
+    }
+  }
+ private:
+  int fd_ = -1;
+};
+
+std::string mb(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f MB", bytes / 1e6);
+  return buf;
+}
+
+int train(const Config& c) {
+  const fsdp::LaunchEnv env = fsdp::LaunchEnv::from_environment();
+  // Share the cores among the local ranks instead of oversubscribing them.
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  torch::set_num_threads(std::max(1, cores / env.local_world_size));
+  auto mesh = fsdp::Mesh::create(env);
+  const int W = mesh->world_size(), rank = mesh->rank();
+  if (c.global_batch % W != 0) {
+    throw std::invalid_argument("--global-batch-size " + std::to_string(c.global_batch) +
+                                " is not divisible by the world size " + std::to_string(W) +
+                                "; choose a multiple of " + std::to_string(W));
+  }
+
+  auto data = models::TokenSource::from_path(c.data);
+  auto cfg = models::GPTConfig::preset(c.model);
+  cfg.vocab_size = std::max<int64_t>(cfg.vocab_size, data.vocab_size());
+  if (c.block_size > 0) cfg.block_size = c.block_size;
+  torch::manual_seed(c.seed);  // the same initial weights on every rank
+  models::GPT model(cfg);
+
+  fsdp::Options opts;
+  opts.strategy = fsdp::parse_strategy(c.strategy);
+  opts.shard_size = c.shard_size;
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  fsdp::FullyShardedDataParallel fsdp_model(model, mesh, opts);
+
+  // No weight decay on biases, norms and embeddings' 1-D friends: parameters keep their names.
+  std::vector<torch::Tensor> decay, no_decay;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model->named_parameters()) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied weight once
+    const bool exempt = item.key().find("bias") != std::string::npos || item.key().find("ln") != std::string::npos;
+    (exempt ? no_decay : decay).push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(c.lr).weight_decay(0.0)));
+  torch::optim::AdamW optim(groups, torch::optim::AdamWOptions(c.lr));
+
+  if (rank == 0) {
+    const auto units = fsdp_model.units();
+    std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
+              << units.size() << " units, strategy " << c.strategy << " F=" << fsdp_model.shard_size()
+              << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
+              << " tokens, corpus " << data.origin() << " (" << data.size() << " tokens)" << std::endl;
+  }
+  JsonlWriter metrics_out(c.metrics_jsonl);
+  const int64_t per_rank = c.global_batch / W;
+  const double tokens_per_step = static_cast<double>(c.global_batch * cfg.block_size);
+  for (int step = 0; step < c.steps; ++step) {
+    fsdp_model.reset_step();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto [x, y] = data.batch(step, c.global_batch, cfg.block_size, c.seed, rank * per_rank, (rank + 1) * per_rank);
+    optim.zero_grad();
+    auto loss = models::lm_loss(fsdp_model.forward(x), y);
+    loss.backward();
+    if (c.clip > 0) fsdp_model.clip_grad_norm_(c.clip);
+    optim.step();
+    // The global batch's mean loss: the mean of the ranks' means (equal slices).
+    std::vector<at::Tensor> l{loss.detach().reshape({1}).clone()};
+    mesh->world()->allreduce(l)->wait();
+    const double global_loss = l[0].item<double>() / W;
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const auto m = fsdp_model.metrics();
+    const double tps = tokens_per_step / (ms / 1000.0);
+    metrics_out.write({{"rank", rank}, {"step", step}, {"loss", global_loss}, {"step_ms", ms}, {"tokens_per_s", tps},
+                       {"param_bytes_resident", m.memory.sharded_params},
+                       {"grad_bytes_resident", m.memory.sharded_grads},
+                       {"peak_unsharded_bytes", m.memory.unsharded_peak},
+                       {"comm_bytes", {{"all_gather", m.comm.all_gather}, {"reduce_scatter", m.comm.reduce_scatter},
+                                       {"all_reduce", m.comm.all_reduce}}}});
+    if (rank == 0 && (step % c.log_every == 0 || step == c.steps - 1)) {
+      char line[256];
+      std::snprintf(line, sizeof(line), "step %4d | loss %.4f | %8.0f tok/s | %7.1f ms", step, global_loss, tps, ms);
+      std::cout << line << " | params " << mb(m.memory.sharded_params) << " resident, peak unsharded "
+                << mb(m.memory.unsharded_peak) << " | comm AG " << mb(m.comm.all_gather) << " RS "
+                << mb(m.comm.reduce_scatter) << " AR " << mb(m.comm.all_reduce) << std::endl;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  CLI::App app{"fsdp-train: train a GPT with Fully Sharded Data Parallel on libtorch"};
+  int nproc = 0;
+  app.add_option("--nproc-per-node", nproc, "spawn this many local ranks (otherwise use the torchrun environment)");
+  app.add_option("--strategy", c.strategy, "full_shard|shard_grad_op|no_shard|hybrid_shard|hybrid_shard_zero2")
+      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"}));
+  app.add_option("--shard-size", c.shard_size, "sharding factor F for hybrid strategies (default: ranks per node)");
+  app.add_option("--steps", c.steps, "training steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--global-batch-size", c.global_batch, "sequences per step, over all ranks")->check(CLI::PositiveNumber);
+  app.add_option("--seed", c.seed, "seed for the initial weights and the batches");
+  app.add_option("--metrics-jsonl", c.metrics_jsonl, "append one JSON object per step per rank to this file");
+  app.add_option("--data", c.data, "text file, folder of text files, or .u16/.bin file of uint16 token ids");
+  app.add_option("--model", c.model, "GPT preset: tiny, small, default, medium, 1b");
+  app.add_option("--block-size", c.block_size, "sequence length (default: the preset's)");
+  app.add_option("--lr", c.lr, "AdamW learning rate");
+  app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");
+  app.add_option("--log-every", c.log_every, "print every N steps")->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
+    if (std::getenv("RANK") == nullptr && std::getenv("WORLD_SIZE") == nullptr) {
+      // Neither launched nor asked to launch: one local rank.
+      return fsdp::launch_local(1, [&] {
+        std::vector<std::string> a{"/proc/self/exe"};
+        for (int i = 1; i < argc; ++i) a.emplace_back(argv[i]);
+        return a;
+      }());
+    }
+    return train(c);
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-train: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -48,8 +48,8 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
       break;
   }
   if (shard_size_ < 1 || W % shard_size_ != 0) {
-    throw std::invalid_argument("fsdp: " + to_string(options_.strategy) + " with shard size F=" +
-                                std::to_string(shard_size_) + " needs F to divide the world size W=" +
+    throw std::invalid_argument("fsdp: sharding factor F=" + std::to_string(shard_size_) + " (" +
+                                to_string(options_.strategy) + ") does not divide the world size W=" +
                                 std::to_string(W) + "; pass a divisor of W as the shard size");
   }
 
@@ -132,11 +132,13 @@ void Runtime::note_memory() {
 
 void Runtime::unshard_unit(size_t unit) {
   if (handles_[unit]->state() == HandleState::UNSHARDED) return;
+  touch::Suppress own_work;
   handles_[unit]->unshard();
   note_memory();
 }
 
 void Runtime::reshard_unit(size_t unit) {
+  touch::Suppress own_work;
   handles_[unit]->reshard();
   note_memory();
 }
@@ -234,12 +236,14 @@ void Runtime::on_grad_accumulated(size_t unit, size_t param) {
   if (++ready_count_[unit] == expected_count_[unit]) {
     // Every gradient forward made possible for this unit is in: reduce now, while backward goes
     // on with the units before it.
+    touch::Suppress own_work;
     handles_[unit]->reduce_grads(no_sync_);
     reshard_unit(unit);
   }
 }
 
 void Runtime::finish_backward() {
+  touch::Suppress own_work;
   // Units whose gradients did not all arrive through the hooks (a parameter forward touched whose
   // gradient never flowed) are reduced here, in unit order, the same on every rank.
   for (auto& h : handles_) {

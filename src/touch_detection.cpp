@@ -45,10 +45,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   // Only the thread running a root's forward, or a thread running backward. Gloo's worker
   // threads, for one, also run operators on our buffers and must be left alone.
   if (!t_forward_thread && torch::autograd::get_current_graph_task_id() == -1) return nullptr;
-  struct Reentry {
-    Reentry() { t_in_callback = true; }
-    ~Reentry() { t_in_callback = false; }  // also on exceptions: never leave the guard set
-  } reentry;
+  Suppress reentry;  // RAII: an exception never leaves the guard set
   g_inspected.fetch_add(1, std::memory_order_relaxed);
   std::shared_lock<std::shared_mutex> lock(g_mutex);
   if (g_armed.empty()) return nullptr;
@@ -106,6 +103,9 @@ void disarm(TouchSink* sink) {
   g_armed.erase(std::remove(g_armed.begin(), g_armed.end(), sink), g_armed.end());
   set_enabled_locked(!g_armed.empty());
 }
+
+Suppress::Suppress() : previous_(t_in_callback) { t_in_callback = true; }
+Suppress::~Suppress() { t_in_callback = previous_; }
 
 void set_forward_thread(bool on) { t_forward_thread = on; }
 

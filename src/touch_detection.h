@@ -35,6 +35,18 @@ void disarm(TouchSink* sink);
 // Marks the calling thread as running a root's forward (until set back to false).
 void set_forward_thread(bool on);
 
+// While alive, operators run by this thread are not inspected: the runtime's own work (collectives,
+// copies into its buffers) must not be mistaken for the model touching a unit.
+class Suppress {
+ public:
+  Suppress();
+  ~Suppress();
+  Suppress(const Suppress&) = delete;
+  Suppress& operator=(const Suppress&) = delete;
+ private:
+  bool previous_;
+};
+
 // Operators inspected since the process started (a cost measure for benchmarks).
 long inspected_ops();
 

@@ -264,7 +264,8 @@ int run(const Args& a) {
       opt.step();
       auto m = sharded.metrics();
       steps.push_back(json{{"all_gather", m.comm.all_gather}, {"reduce_scatter", m.comm.reduce_scatter},
-                           {"all_reduce", m.comm.all_reduce}, {"sharded_params", m.memory.sharded_params},
+                           {"all_reduce", m.comm.all_reduce}, {"all_gather_calls", m.comm.all_gather_calls},
+                           {"reduce_scatter_calls", m.comm.reduce_scatter_calls}, {"sharded_params", m.memory.sharded_params},
                            {"sharded_grads", m.memory.sharded_grads}, {"unsharded_peak", m.memory.unsharded_peak},
                            {"unsharded_current", m.memory.unsharded_current}});
     }
