@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -35,6 +36,7 @@ struct Config {
   double weight_decay = 0.1;
   double clip = 1.0;
   int log_every = 10;
+  bool local = false;  // baseline: plain libtorch training in one process, no fsdp
 };
 
 // One JSON line per write() on an O_APPEND descriptor: ranks can share the file.
@@ -83,11 +85,13 @@ int train(const Config& c) {
   torch::manual_seed(c.seed);  // the same initial weights on every rank
   models::GPT model(cfg);
 
+  if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
   fsdp::Options opts;
   opts.strategy = fsdp::parse_strategy(c.strategy);
   opts.shard_size = c.shard_size;
   opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
-  fsdp::FullyShardedDataParallel fsdp_model(model, mesh, opts);
+  std::optional<fsdp::FullyShardedDataParallel<models::GPTImpl>> fsdp_model;
+  if (!c.local) fsdp_model.emplace(model, mesh, opts);
 
   // No weight decay on biases, norms and embeddings' 1-D friends: parameters keep their names.
   std::vector<torch::Tensor> decay, no_decay;
@@ -104,10 +108,14 @@ int train(const Config& c) {
                                     torch::optim::AdamWOptions(c.lr).weight_decay(0.0)));
   torch::optim::AdamW optim(groups, torch::optim::AdamWOptions(c.lr));
 
+  std::vector<torch::Tensor> unique_params;
+  for (const auto& p : decay) unique_params.push_back(p);
+  for (const auto& p : no_decay) unique_params.push_back(p);
   if (rank == 0) {
-    const auto units = fsdp_model.units();
     std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
-              << units.size() << " units, strategy " << c.strategy << " F=" << fsdp_model.shard_size()
+              << (c.local ? std::string("local training (no fsdp)")
+                          : std::to_string(fsdp_model->units().size()) + " units, strategy " + c.strategy +
+                                " F=" + std::to_string(fsdp_model->shard_size()))
               << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
               << " tokens, corpus " << data.origin() << " (" << data.size() << " tokens)" << std::endl;
   }
@@ -115,20 +123,29 @@ int train(const Config& c) {
   const int64_t per_rank = c.global_batch / W;
   const double tokens_per_step = static_cast<double>(c.global_batch * cfg.block_size);
   for (int step = 0; step < c.steps; ++step) {
-    fsdp_model.reset_step();
+    if (fsdp_model) fsdp_model->reset_step();
     const auto t0 = std::chrono::steady_clock::now();
     auto [x, y] = data.batch(step, c.global_batch, cfg.block_size, c.seed, rank * per_rank, (rank + 1) * per_rank);
     optim.zero_grad();
-    auto loss = models::lm_loss(fsdp_model.forward(x), y);
+    auto loss = models::lm_loss(fsdp_model ? fsdp_model->forward(x) : model->forward(x), y);
     loss.backward();
-    if (c.clip > 0) fsdp_model.clip_grad_norm_(c.clip);
+    if (c.clip > 0) {
+      if (fsdp_model) fsdp_model->clip_grad_norm_(c.clip);
+      else torch::nn::utils::clip_grad_norm_(unique_params, c.clip);
+    }
     optim.step();
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
     std::vector<at::Tensor> l{loss.detach().reshape({1}).clone()};
     mesh->world()->allreduce(l)->wait();
     const double global_loss = l[0].item<double>() / W;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    const auto m = fsdp_model.metrics();
+    fsdp::Metrics m;
+    if (fsdp_model) {
+      m = fsdp_model->metrics();
+    } else {
+      for (const auto& p : unique_params) m.memory.sharded_params += p.numel() * p.element_size();
+      m.memory.sharded_grads = m.memory.sharded_params;
+    }
     const double tps = tokens_per_step / (ms / 1000.0);
     metrics_out.write({{"rank", rank}, {"step", step}, {"loss", global_loss}, {"step_ms", ms}, {"tokens_per_s", tps},
                        {"param_bytes_resident", m.memory.sharded_params},
@@ -167,6 +184,7 @@ int main(int argc, char** argv) {
   app.add_option("--lr", c.lr, "AdamW learning rate");
   app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");
   app.add_option("--log-every", c.log_every, "print every N steps")->check(CLI::PositiveNumber);
+  app.add_flag("--local", c.local, "baseline: plain libtorch training in one process, without fsdp");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

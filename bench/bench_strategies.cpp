@@ -1,1 +1,112 @@
-int main(){return 0;}
+// fsdp-bench: step time of every sharding strategy against local training, measured side by side
+// in one run on the same machine, model, data and global batch. Each configuration is a run of
+// build/bin/fsdp-train (the local baseline with --local); the step times after warm-up come from
+// its --metrics-jsonl output, and the table reports medians and their ratio to local training.
+// Configurations are interleaved over --repeats rounds so machine noise hits all of them alike.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct Config {
+  std::string label, strategy;
+  int world = 1, shard_size = 0;
+  bool local = false;
+};
+
+std::string self_dir() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  std::string s(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  return s.substr(0, s.rfind('/'));
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model = "default";
+  int steps = 12, warmup = 4, repeats = 3;
+  int64_t batch = 16;
+  std::string out_md;
+  CLI::App app{"fsdp-bench: step-time ratios of every strategy against local training"};
+  app.add_option("--model", model, "GPT preset");
+  app.add_option("--steps", steps, "steps per run (including warm-up)");
+  app.add_option("--warmup", warmup, "steps dropped from each run");
+  app.add_option("--repeats", repeats, "rounds over all configurations");
+  app.add_option("--global-batch-size", batch, "sequences per step");
+  app.add_option("--markdown", out_md, "also write the table to this file");
+  CLI11_PARSE(app, argc, argv);
+
+  std::vector<Config> configs{{"local", "full_shard", 1, 0, true}};
+  for (int w : {1, 2, 4}) {
+    for (std::string s : {"full_shard", "shard_grad_op", "no_shard"}) configs.push_back({s, s, w, 0, false});
+  }
+  configs.push_back({"hybrid_shard", "hybrid_shard", 4, 2, false});
+  configs.push_back({"hybrid_shard_zero2", "hybrid_shard_zero2", 4, 2, false});
+
+  const std::string train = self_dir() + "/fsdp-train";
+  const std::string tmp = "/tmp/fsdp-bench-" + std::to_string(::getpid());
+  std::map<size_t, std::vector<double>> step_ms;  // config -> post-warm-up step times, all rounds
+  std::map<size_t, double> comm_mb;
+  for (int round = 0; round < repeats; ++round) {
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const Config& c = configs[i];
+      const std::string jsonl = tmp + ".jsonl";
+      std::remove(jsonl.c_str());
+      std::string cmd = train + " --model " + model + " --steps " + std::to_string(steps) + " --global-batch-size " +
+                        std::to_string(batch) + " --log-every 1000000 --metrics-jsonl " + jsonl;
+      cmd += c.local ? " --local" : " --nproc-per-node " + std::to_string(c.world) + " --strategy " + c.strategy;
+      if (c.shard_size) cmd += " --shard-size " + std::to_string(c.shard_size);
+      cmd += " > " + tmp + ".log 2>&1";
+      if (std::system(cmd.c_str()) != 0) {
+        std::cerr << "fsdp-bench: run failed: " << cmd << " (see " << tmp << ".log)" << std::endl;
+        return 1;
+      }
+      std::ifstream in(jsonl);
+      std::string line;
+      while (std::getline(in, line)) {
+        auto j = nlohmann::json::parse(line);
+        if (j["rank"] != 0 || j["step"].get<int>() < warmup) continue;
+        step_ms[i].push_back(j["step_ms"].get<double>());
+        const auto& cb = j["comm_bytes"];
+        comm_mb[i] = (cb["all_gather"].get<double>() + cb["reduce_scatter"].get<double>() +
+                      cb["all_reduce"].get<double>()) / 1e6;
+      }
+      std::cerr << "round " << round + 1 << "/" << repeats << " " << c.label << " W=" << c.world << " done" << std::endl;
+    }
+  }
+  std::remove((tmp + ".jsonl").c_str());
+  std::remove((tmp + ".log").c_str());
+
+  const double local = median(step_ms[0]);
+  std::ostringstream table;
+  table << "| configuration | W | F | median step (ms) | ratio to local | comm per rank per step (MB) |\n";
+  table << "|---|---|---|---|---|---|\n";
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const Config& c = configs[i];
+    const int F = c.local ? 1 : c.strategy == "no_shard" ? 1 : c.shard_size ? c.shard_size : c.world;
+    char row[256];
+    std::snprintf(row, sizeof(row), "| %s | %d | %d | %.1f | %.2f | %.2f |\n", c.label.c_str(), c.world, F,
+                  median(step_ms[i]), median(step_ms[i]) / local, comm_mb[i]);
+    table << row;
+  }
+  std::cout << "model " << model << ", global batch " << batch << ", " << repeats << " rounds x "
+            << (steps - warmup) << " timed steps each (medians)\n" << table.str();
+  if (!out_md.empty()) std::ofstream(out_md) << table.str();
+  return 0;
+}

@@ -27,6 +27,8 @@ struct AccountingCase {
   int shard_size;
 };
 
+void PrintTo(const AccountingCase& c, std::ostream* os) { *os << c.strategy << " W=" << c.world; }
+
 class Accounting : public testing::TestWithParam<AccountingCase> {};
 
 TEST_P(Accounting, MatchesAnalyticVolumesAndMemory) {

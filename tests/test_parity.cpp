@@ -20,6 +20,8 @@ std::string name_of(const testing::TestParamInfo<ParityCase>& info) {
          (info.param.shard_size ? "_F" + std::to_string(info.param.shard_size) : "");
 }
 
+void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.strategy << " W=" << c.world; }
+
 class Parity : public testing::TestWithParam<ParityCase> {};
 
 TEST_P(Parity, MatchesLocalTraining) {
