@@ -1,5 +1,5 @@
-// The one place that knows how a device frees and regrows storage in place. CPU only for now;
-// the CUDA path (streams, events, the caching allocator) lands with the overlap work.
+// The one place that knows how a device frees and regrows storage in place: CPU, and CUDA in
+// builds against a CUDA libtorch (streams and events land with the overlap work).
 #pragma once
 
 #include <cstddef>

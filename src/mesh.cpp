@@ -9,6 +9,10 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace fsdp {
 namespace {
@@ -127,7 +131,22 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   return mesh;
 }
 
-GroupPtr Mesh::make_group(const std::string& name, int group_rank, int group_size) {
+GroupPtr Mesh::make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device) {
+  if (device == c10::DeviceType::CUDA) {
+#ifdef USE_C10D_NCCL
+    if (c10::cuda::device_count() == 0) {
+      throw std::runtime_error("fsdp: parameters are CUDA tensors but no GPU is visible on rank " +
+                               std::to_string(env_.rank) + "; move the model to the CPU or run where GPUs are");
+    }
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(env_.local_rank % c10::cuda::device_count()));
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = options_.collective_timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(
+        c10::make_intrusive<c10d::PrefixStore>("fsdp/nccl/" + name, store_), group_rank, group_size, opts);
+#else
+    throw std::runtime_error("fsdp: this build has no NCCL (libtorch without CUDA); CUDA parameters need a CUDA build");
+#endif
+  }
   auto opts = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   if (env_.world_size > 1 && env_.master_addr != "127.0.0.1" && env_.master_addr != "localhost") {
@@ -146,8 +165,11 @@ GroupPtr Mesh::make_group(const std::string& name, int group_rank, int group_siz
   }
 }
 
-const ShardingGroups& Mesh::groups(int shard_size) {
-  auto it = groups_.find(shard_size);
+const ShardingGroups& Mesh::groups(int shard_size) { return groups(shard_size, c10::DeviceType::CPU); }
+
+const ShardingGroups& Mesh::groups(int shard_size, c10::DeviceType device) {
+  const auto key = std::make_pair(shard_size, static_cast<int>(device));
+  auto it = groups_.find(key);
   if (it != groups_.end()) return it->second;
   const int W = env_.world_size;
   if (shard_size < 1 || shard_size > W || W % shard_size != 0) {
@@ -160,19 +182,19 @@ const ShardingGroups& Mesh::groups(int shard_size) {
   g.shard_size = shard_size;
   const int replica = env_.rank / shard_size;  // which shard group (node) this rank is in
   const int shard_rank = env_.rank % shard_size;
-  if (shard_size == W) {
-    g.shard = world_;
-  } else {
-    g.shard = make_group("F" + std::to_string(shard_size) + "/shard/" + std::to_string(replica),
-                         shard_rank, shard_size);
+  const bool cuda = device == c10::DeviceType::CUDA;
+  const std::string tag = (cuda ? "nccl/F" : "F") + std::to_string(shard_size);
+  GroupPtr world = world_;
+  if (cuda) {
+    if (!nccl_world_) nccl_world_ = make_group("world", env_.rank, W, device);
+    world = nccl_world_;
   }
-  if (shard_size == 1) {
-    g.replicate = world_;
-  } else {
-    g.replicate = make_group("F" + std::to_string(shard_size) + "/replicate/" + std::to_string(shard_rank),
-                             replica, W / shard_size);
-  }
-  return groups_.emplace(shard_size, std::move(g)).first->second;
+  g.shard = shard_size == W ? world
+                            : make_group(tag + "/shard/" + std::to_string(replica), shard_rank, shard_size, device);
+  g.replicate = shard_size == 1 ? world
+                                : make_group(tag + "/replicate/" + std::to_string(shard_rank), replica,
+                                             W / shard_size, device);
+  return groups_.emplace(key, std::move(g)).first->second;
 }
 
 void Mesh::check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe) {

@@ -71,13 +71,17 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   mesh_->check_same_on_all_ranks("the model structure (parameter names, shapes, dtypes) or the FSDP options",
                                  fnv1a(desc.str()), desc.str());
 
-  const ShardingGroups& groups = mesh_->groups(shard_size_);
+  // Gloo for CPU parameters, NCCL for CUDA parameters.
+  const c10::DeviceType device = plans_.empty() || plans_[0].params.empty() ? c10::DeviceType::CPU
+                                                                          : plans_[0].params[0].device().type();
+  const ShardingGroups& groups = mesh_->groups(shard_size_, device);
   HandleConfig cfg;
   cfg.shard_size = shard_size_;
   cfg.shard_rank = mesh_->rank() % shard_size_;
   cfg.world_size = W;
   cfg.shard_group = groups.shard;
   cfg.replicate_group = groups.replicate;
+  shard_group_ = groups.shard;
   for (size_t u = 0; u < plans_.size(); ++u) {
     handles_.push_back(std::make_unique<FlatParamHandle>(plans_[u].name.empty() ? "<root>" : plans_[u].name,
                                                          plans_[u].fqns, plans_[u].params, cfg, &comm_));
@@ -293,11 +297,12 @@ double Runtime::clip_grad_norm(double max_norm) {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
   }
-  at::Tensor sumsq = at::zeros({1}, at::kFloat);
+  at::Tensor sumsq = at::zeros({1}, handles_.empty() ? at::TensorOptions(at::kFloat)
+                                                      : handles_[0]->params()[0].options().dtype(at::kFloat));
   for (const auto& g : grads) sumsq.add_(g.to(at::kFloat).pow(2).sum());
   // Each element of a flat parameter lives on exactly one rank of its shard group (replicas hold
   // copies), so the shard group's sum is the global sum of squares.
-  if (shard_size_ > 1) wait_for(all_reduce_sum(mesh_->groups(shard_size_).shard, sumsq, comm_), "all-reduce of the gradient norm");
+  if (shard_size_ > 1) wait_for(all_reduce_sum(shard_group_, sumsq, comm_), "all-reduce of the gradient norm");
   const at::Tensor total = sumsq.sqrt();
   const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
   for (auto& g : grads) g.mul_(coef.to(g.dtype()));

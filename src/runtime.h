@@ -63,6 +63,7 @@ class Runtime : public TouchSink, public std::enable_shared_from_this<Runtime> {
   std::shared_ptr<Mesh> mesh_;
   Options options_;
   int shard_size_ = 1;
+  GroupPtr shard_group_;
   bool reshard_after_forward_ = true;
   std::vector<UnitPlan> plans_;
   std::vector<std::unique_ptr<FlatParamHandle>> handles_;

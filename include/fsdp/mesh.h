@@ -58,6 +58,10 @@ class Mesh {
   // rank must ask for the same F values in the same order). Throws before any communication if F
   // does not divide the world size.
   const ShardingGroups& groups(int shard_size);
+  // The same groups for tensors of `device`: Gloo for CPU tensors, NCCL for CUDA tensors (one GPU
+  // per rank, LOCAL_RANK's). NCCL groups exist only in builds against a CUDA libtorch and run only
+  // where a GPU is present; elsewhere this throws with that explanation.
+  const ShardingGroups& groups(int shard_size, c10::DeviceType device);
 
   // A clear error on every rank unless all ranks pass the same `fingerprint` (e.g. a hash of the
   // model's parameter names, shapes and dtypes). `what` names the thing being compared and
@@ -66,13 +70,15 @@ class Mesh {
 
  private:
   Mesh(LaunchEnv env, MeshOptions options) : env_(std::move(env)), options_(options) {}
-  GroupPtr make_group(const std::string& name, int group_rank, int group_size);
+  GroupPtr make_group(const std::string& name, int group_rank, int group_size,
+                      c10::DeviceType device = c10::DeviceType::CPU);
 
   LaunchEnv env_;
   MeshOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
   GroupPtr world_;
-  std::map<int, ShardingGroups> groups_;
+  std::map<std::pair<int, int>, ShardingGroups> groups_;  // (F, device type) -> groups
+  GroupPtr nccl_world_;
   int checks_ = 0;
 };
 
