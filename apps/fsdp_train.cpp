@@ -40,6 +40,13 @@ struct Config {
   int log_every = 10;
   bool local = false;  // baseline: plain libtorch training in one process, no fsdp
   std::string export_init;  // write initial weights, batches and settings here, then exit
+  std::string device = "cpu";
+  std::string backward_prefetch = "backward_pre";
+  bool forward_prefetch = false;
+  int prefetch_count = 1;
+  int limit_all_gathers = 2;
+  std::string trace_dir;    // write each rank's Chrome trace of step `trace_step` here
+  int trace_step = 2;
 };
 
 // One JSON line per write() on an O_APPEND descriptor: ranks can share the file.
@@ -135,12 +142,28 @@ int train(const Config& c) {
   const auto cfg = model_config(c, data);
   torch::manual_seed(c.seed);  // the same initial weights on every rank
   models::GPT model(cfg);
+  torch::Device device(torch::kCPU);
+  if (c.device == "cuda") {
+    if (!torch::cuda::is_available()) throw std::invalid_argument("--device cuda: no CUDA device is visible to this process");
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % torch::cuda::device_count()));
+    // NCCL talks to the current device: make it this rank's.
+    c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
+    model->to(device);  // keeps the parameters' identity (the tied weight stays tied)
+  }
 
+  if (!c.trace_dir.empty() && c.trace_step >= c.steps) {
+    throw std::invalid_argument("--trace-step " + std::to_string(c.trace_step) + " is not below --steps " +
+                                std::to_string(c.steps) + "; pick a step that runs");
+  }
   if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
   fsdp::Options opts;
   opts.strategy = fsdp::parse_strategy(c.strategy);
   opts.shard_size = c.shard_size;
   opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  opts.backward_prefetch = fsdp::parse_backward_prefetch(c.backward_prefetch);
+  opts.forward_prefetch = c.forward_prefetch;
+  opts.prefetch_count = c.prefetch_count;
+  opts.limit_all_gathers = c.limit_all_gathers;
   std::optional<fsdp::FullyShardedDataParallel<models::GPTImpl>> fsdp_model;
   if (!c.local) fsdp_model.emplace(model, mesh, opts);
 
@@ -177,6 +200,10 @@ int train(const Config& c) {
     if (fsdp_model) fsdp_model->reset_step();
     const auto t0 = std::chrono::steady_clock::now();
     auto [x, y] = data.batch(step, c.global_batch, cfg.block_size, c.seed, rank * per_rank, (rank + 1) * per_rank);
+    if (device.is_cuda()) {
+      x = x.to(device, /*non_blocking=*/true);
+      y = y.to(device, /*non_blocking=*/true);
+    }
     optim.zero_grad();
     auto loss = models::lm_loss(fsdp_model ? fsdp_model->forward(x) : model->forward(x), y);
     loss.backward();
@@ -186,7 +213,7 @@ int train(const Config& c) {
     }
     optim.step();
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
-    std::vector<at::Tensor> l{loss.detach().reshape({1}).clone()};
+    std::vector<at::Tensor> l{loss.detach().reshape({1}).to(torch::kCPU).clone()};
     mesh->world()->allreduce(l)->wait();
     const double global_loss = l[0].item<double>() / W;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -197,19 +224,39 @@ int train(const Config& c) {
       for (const auto& p : unique_params) m.memory.sharded_params += p.numel() * p.element_size();
       m.memory.sharded_grads = m.memory.sharded_params;
     }
+    if (fsdp_model && !c.trace_dir.empty() && step == c.trace_step) {
+      const std::string path = c.trace_dir + "/trace-rank" + std::to_string(rank) + ".json";
+      fsdp_model->write_trace(path);
+      if (rank == 0) std::cout << "fsdp-train: wrote the Chrome trace of step " << step << " to " << c.trace_dir
+                                << "/trace-rank*.json (open in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
+    }
     const double tps = tokens_per_step / (ms / 1000.0);
+    auto ms_of = [](int64_t ns) { return static_cast<double>(ns) / 1e6; };
     metrics_out.write({{"rank", rank}, {"step", step}, {"loss", global_loss}, {"step_ms", ms}, {"tokens_per_s", tps},
                        {"param_bytes_resident", m.memory.sharded_params},
                        {"grad_bytes_resident", m.memory.sharded_grads},
                        {"peak_unsharded_bytes", m.memory.unsharded_peak},
                        {"comm_bytes", {{"all_gather", m.comm.all_gather}, {"reduce_scatter", m.comm.reduce_scatter},
-                                       {"all_reduce", m.comm.all_reduce}}}});
+                                       {"all_reduce", m.comm.all_reduce}}},
+                       {"comm_calls", {{"all_gather", m.comm.all_gather_calls}, {"reduce_scatter", m.comm.reduce_scatter_calls},
+                                       {"all_reduce", m.comm.all_reduce_calls}}},
+                       {"exposed_comm_ms", ms_of(m.overlap.exposed_ns())},
+                       {"exposed_all_gather_ms", ms_of(m.overlap.exposed_all_gather_ns)},
+                       {"exposed_reduce_ms", ms_of(m.overlap.exposed_reduce_ns)},
+                       {"rate_limiter_wait_ms", ms_of(m.overlap.rate_limiter_wait_ns)},
+                       {"max_all_gathers_in_flight", m.overlap.max_all_gathers_in_flight},
+                       {"device_memory", {{"allocated_peak", m.device.allocated_peak}, {"active_peak", m.device.active_peak},
+                                          {"reserved_peak", m.device.reserved_peak},
+                                          {"num_alloc_retries", m.device.num_alloc_retries}}}});
     if (rank == 0 && (step % c.log_every == 0 || step == c.steps - 1)) {
       char line[256];
       std::snprintf(line, sizeof(line), "step %4d | loss %.4f | %8.0f tok/s | %7.1f ms", step, global_loss, tps, ms);
       std::cout << line << " | params " << mb(m.memory.sharded_params) << " resident, peak unsharded "
                 << mb(m.memory.unsharded_peak) << " | comm AG " << mb(m.comm.all_gather) << " RS "
-                << mb(m.comm.reduce_scatter) << " AR " << mb(m.comm.all_reduce) << std::endl;
+                << mb(m.comm.reduce_scatter) << " AR " << mb(m.comm.all_reduce);
+      if (fsdp_model) std::cout << " | exposed comm " << ms_of(m.overlap.exposed_ns()) << " ms";
+      if (device.is_cuda()) std::cout << " | peak allocated " << mb(m.device.allocated_peak) << ", alloc retries " << m.device.num_alloc_retries;
+      std::cout << std::endl;
     }
   }
   return 0;
@@ -235,6 +282,16 @@ int main(int argc, char** argv) {
   app.add_option("--lr", c.lr, "AdamW learning rate");
   app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");
   app.add_option("--log-every", c.log_every, "print every N steps")->check(CLI::PositiveNumber);
+  app.add_option("--device", c.device, "cpu (Gloo) or cuda (NCCL; rank i uses GPU i mod the visible count)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--backward-prefetch", c.backward_prefetch, "none|backward_pre|backward_post")
+      ->check(CLI::IsMember({"none", "backward_pre", "backward_post"}));
+  app.add_flag("--forward-prefetch", c.forward_prefetch, "prefetch in forward from the previous iteration's order (static graphs)");
+  app.add_option("--prefetch-count", c.prefetch_count, "how many units ahead a prefetch reaches")->check(CLI::PositiveNumber);
+  app.add_option("--limit-all-gathers", c.limit_all_gathers, "rate limiter: all-gathers in flight at most (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--trace", c.trace_dir, "write each rank's Chrome trace (trace-rank<r>.json) of one step to this folder");
+  app.add_option("--trace-step", c.trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::NonNegativeNumber);
   app.add_flag("--local", c.local, "baseline: plain libtorch training in one process, without fsdp");
   app.add_option("--export-init", c.export_init,
                  "write the initial weights, every step's batch and the settings to this folder, then exit");

@@ -1,6 +1,5 @@
 #include "flat_param_handle.h"
 
-#include <ATen/native/Resize.h>
 #include <c10/core/GradMode.h>
 
 #include <c10/util/strides.h>
@@ -25,12 +24,13 @@ std::vector<std::vector<int64_t>> shapes_of(const std::vector<at::Tensor>& param
 }  // namespace
 
 FlatParamHandle::FlatParamHandle(std::string name, std::vector<std::string> fqns,
-                                 std::vector<at::Tensor> params, HandleConfig config, CommBytes* comm)
+                                 std::vector<at::Tensor> params, HandleConfig config, CommBytes* comm, int index)
     : name_(std::move(name)),
       layout_(fqns, shapes_of(params), config.shard_size),
       params_(std::move(params)),
       config_(std::move(config)),
-      comm_(comm) {
+      comm_(comm),
+      index_(index) {
   TORCH_CHECK(!params_.empty(), "fsdp: unit '", name_, "' has no parameters");
   const auto options = params_[0].options().requires_grad(false);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -70,17 +70,48 @@ void FlatParamHandle::resize_unsharded(bool allocate) {
   resize_storage(full_, allocate ? static_cast<size_t>(layout_.padded_numel() * element_size_) : 0);
 }
 
-void FlatParamHandle::unshard() {
-  if (state_ == HandleState::UNSHARDED) return;
-  if (config_.shard_size > 1) {
-    resize_unsharded(true);
-    wait_for(all_gather_into(config_.shard_group, full_, shard_, *comm_), "all-gather of parameters");
-    for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
+int64_t FlatParamHandle::wait(const WorkPtr& work, SpanKind kind, size_t span, const char* what, bool backward_pass) {
+  if (!work) return 0;
+  // On CUDA wait() only orders the current stream after the collective: nothing blocks.
+  const bool blocks = !config_.streams->active() && !work->isCompleted();
+  const int64_t t0 = Timeline::now_ns();
+  wait_for(work, what);
+  config_.timeline->completed(span);
+  if (!blocks) return 0;
+  const int64_t t1 = Timeline::now_ns();
+  config_.timeline->add(SpanKind::WAIT, index_, backward_pass, t0, t1, kind);
+  return t1 - t0;
+}
+
+WorkPtr FlatParamHandle::begin_unshard(bool backward_pass) {
+  if (state_ != HandleState::SHARDED) return nullptr;
+  if (config_.shard_size == 1) {
+    state_ = HandleState::UNSHARDED;
+    return nullptr;
   }
+  CommStreams::Issue on_stream(*config_.streams, CommKind::ALL_GATHER);
+  // Allocated on the all-gather stream (on CUDA): the block is reused in that stream's order.
+  resize_unsharded(true);
+  const int64_t before = comm_->all_gather;
+  gather_work_ = all_gather_into(config_.shard_group, full_, shard_, *comm_);
+  gather_span_ = config_.timeline->collective(SpanKind::ALL_GATHER, index_, backward_pass, config_.shard_group.get(),
+                                              comm_->all_gather - before, gather_work_, !config_.streams->active());
+  gather_backward_ = backward_pass;
+  state_ = HandleState::GATHERING;
+  return gather_work_;
+}
+
+int64_t FlatParamHandle::finish_unshard() {
+  if (state_ != HandleState::GATHERING) return 0;
+  const int64_t blocked = wait(gather_work_, SpanKind::ALL_GATHER, gather_span_, "all-gather of parameters", gather_backward_);
+  gather_work_.reset();
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
   state_ = HandleState::UNSHARDED;
+  return blocked;
 }
 
 void FlatParamHandle::reshard() {
+  if (state_ == HandleState::GATHERING) finish_unshard();
   if (state_ == HandleState::SHARDED) return;
   if (config_.shard_size > 1) {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
@@ -103,7 +134,8 @@ bool FlatParamHandle::has_unreduced_grads() const {
   return false;
 }
 
-void FlatParamHandle::reduce_grads(bool no_sync) {
+void FlatParamHandle::begin_reduce(bool no_sync, bool backward_pass) {
+  if (pending_) finish_reduce();  // one reduction per unit at a time, in issue order
   at::NoGradGuard no_grad;
   std::vector<bool> got(params_.size(), false);
   bool any = false;
@@ -135,16 +167,55 @@ void FlatParamHandle::reduce_grads(bool no_sync) {
   }
   if (!any) return;
 
-  at::Tensor reduced;
+  PendingReduction r;
+  r.input = flat;
+  r.got = std::move(got);
+  r.backward_pass = backward_pass;
   if (config_.shard_size > 1) {
-    reduced = at::empty({layout_.shard_numel()}, full_.options());
-    wait_for(reduce_scatter_sum(config_.shard_group, reduced, flat, *comm_), "reduce-scatter of gradients");
+    CommStreams::Issue on_stream(*config_.streams, CommKind::REDUCE_SCATTER);
+    r.output = at::empty({layout_.shard_numel()}, full_.options());
+    const int64_t before = comm_->reduce_scatter;
+    r.reduce_scatter = reduce_scatter_sum(config_.shard_group, r.output, r.input, *comm_);
+    r.rs_span = config_.timeline->collective(SpanKind::REDUCE_SCATTER, index_, backward_pass,
+                                             config_.shard_group.get(), comm_->reduce_scatter - before,
+                                             r.reduce_scatter, !config_.streams->active());
   } else {
-    reduced = flat;
+    r.output = r.input;
   }
-  if (config_.world_size / config_.shard_size > 1) {
-    wait_for(all_reduce_sum(config_.replicate_group, reduced, *comm_), "all-reduce of gradient shards");
-  }
+  pending_ = std::move(r);
+  // On CUDA the all-reduce is ordered after the reduce-scatter on the device, so it can be issued
+  // now; on CPU it is issued once the reduce-scatter is done (advance_reduce or finish_reduce).
+  if (config_.streams->active() || !pending_->reduce_scatter) issue_all_reduce(*pending_);
+}
+
+void FlatParamHandle::issue_all_reduce(PendingReduction& r) {
+  if (r.all_reduce || config_.world_size / config_.shard_size <= 1) return;
+  CommStreams::Issue on_stream(*config_.streams, CommKind::ALL_REDUCE);
+  if (r.reduce_scatter && config_.streams->active()) r.reduce_scatter->wait();  // stream-ordered, not blocking
+  const int64_t before = comm_->all_reduce;
+  r.all_reduce = all_reduce_sum(config_.replicate_group, r.output, *comm_);
+  r.ar_span = config_.timeline->collective(SpanKind::ALL_REDUCE, index_, r.backward_pass,
+                                           config_.replicate_group.get(), comm_->all_reduce - before, r.all_reduce,
+                                           !config_.streams->active());
+}
+
+bool FlatParamHandle::advance_reduce() {
+  if (!pending_) return false;
+  if (pending_->all_reduce || config_.world_size / config_.shard_size <= 1) return false;
+  if (pending_->reduce_scatter && !pending_->reduce_scatter->isCompleted()) return true;
+  if (pending_->reduce_scatter) wait(pending_->reduce_scatter, SpanKind::REDUCE_SCATTER, pending_->rs_span, "reduce-scatter of gradients", pending_->backward_pass);
+  issue_all_reduce(*pending_);
+  return false;
+}
+
+int64_t FlatParamHandle::finish_reduce() {
+  if (!pending_) return 0;
+  at::NoGradGuard no_grad;
+  PendingReduction& r = *pending_;
+  int64_t blocked = wait(r.reduce_scatter, SpanKind::REDUCE_SCATTER, r.rs_span, "reduce-scatter of gradients", r.backward_pass);
+  issue_all_reduce(r);
+  blocked += wait(r.all_reduce, SpanKind::ALL_REDUCE, r.ar_span, "all-reduce of gradient shards", r.backward_pass);
+  at::Tensor reduced = r.output;
   // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
   // the mean over ranks.
   reduced.div_(config_.world_size);
@@ -154,15 +225,17 @@ void FlatParamHandle::reduce_grads(bool no_sync) {
   }
   grad_shard_ = reduced;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!got[i] && !grads_[i].defined()) continue;  // unused everywhere so far: stays None, as locally
+    if (!r.got[i] && !grads_[i].defined()) continue;  // unused everywhere so far: stays None, as locally
     grads_[i] = config_.shard_size == 1
                     ? alias(reduced, layout_.entries()[i].offset, layout_.entries()[i].shape)
                     : alias(reduced, slices_[i].shard_offset, {slices_[i].length});
   }
+  pending_.reset();
+  return blocked;
 }
 
 void FlatParamHandle::restore_grads() {
-  TORCH_CHECK(state_ == HandleState::SHARDED, "fsdp: restore_grads needs the SHARDED state");
+  TORCH_CHECK(state_ == HandleState::SHARDED && !pending_, "fsdp: restore_grads needs the SHARDED state and no reduction in flight");
   for (size_t i = 0; i < params_.size(); ++i) {
     if (grads_[i].defined()) params_[i].mutable_grad() = grads_[i];
     grads_[i] = at::Tensor();

@@ -6,25 +6,38 @@
 //   SHARDED   each parameter is a view into this rank's shard (1-D slice of what this rank owns;
 //             with F = 1 the whole parameter in its own shape). The unsharded buffer has a
 //             0-byte storage.
-//   UNSHARDED the unsharded buffer's storage is regrown and all-gathered, and each parameter is a
-//             view of its original shape into it.
+//   GATHERING the unsharded buffer is regrown and an all-gather into it is in flight; parameters
+//             still point at the shard. Prefetching puts a unit here ahead of its use.
+//   UNSHARDED the all-gather has been waited for, and each parameter is a view of its original
+//             shape into the unsharded buffer.
+//
+//   SHARDED ──begin_unshard──▶ GATHERING ──finish_unshard──▶ UNSHARDED ──reshard──▶ SHARDED
+//   (reshard from GATHERING waits for the all-gather first: its buffer cannot be freed under it)
+//
+// Gradient reduction is asynchronous the same way: begin_reduce issues the reduce-scatter (and,
+// with replicas, the all-reduce once that is done) and finish_reduce waits and hands the result
+// to the sharded gradients. The handle holds the buffers a collective reads or writes until it
+// has waited for it.
 //
 // Why storage is resized in place rather than reallocated: autograd saves views of parameters
 // for backward; those views share the buffer's StorageImpl, so regrowing that same storage makes
 // them valid again without re-running forward.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
 #include "collectives.h"
+#include "comm_streams.h"
 #include "flat_param.h"
+#include "timeline.h"
 
 namespace fsdp {
 
-enum class HandleState { SHARDED, UNSHARDED };
+enum class HandleState { SHARDED, GATHERING, UNSHARDED };
 
 struct HandleConfig {
   int shard_size = 1;       // F
@@ -32,12 +45,14 @@ struct HandleConfig {
   int world_size = 1;       // data-parallel ranks W (gradients are averaged over them)
   GroupPtr shard_group;     // F ranks
   GroupPtr replicate_group; // W / F ranks
+  const CommStreams* streams = nullptr;  // where collectives are issued (inactive on CPU)
+  Timeline* timeline = nullptr;          // records each collective and each blocking wait
 };
 
 class FlatParamHandle {
  public:
   FlatParamHandle(std::string name, std::vector<std::string> fqns, std::vector<at::Tensor> params,
-                  HandleConfig config, CommBytes* comm);
+                  HandleConfig config, CommBytes* comm, int index);
   ~FlatParamHandle();
   FlatParamHandle(const FlatParamHandle&) = delete;
   FlatParamHandle& operator=(const FlatParamHandle&) = delete;
@@ -52,9 +67,14 @@ class FlatParamHandle {
   const c10::StorageImpl* shard_storage() const { return shard_.storage().unsafeGetStorageImpl(); }
   const c10::StorageImpl* unsharded_storage() const { return full_.storage().unsafeGetStorageImpl(); }
 
-  // SHARDED -> UNSHARDED: regrow the buffer, all-gather into it, point parameters at it.
-  void unshard();
-  // UNSHARDED -> SHARDED: point parameters back at the shard and free the buffer.
+  // SHARDED -> GATHERING: regrow the buffer and issue the all-gather into it. Returns the work
+  // (null with F = 1, where the handle goes straight to UNSHARDED: nothing to gather).
+  WorkPtr begin_unshard(bool backward_pass);
+  // GATHERING -> UNSHARDED: wait for the all-gather where its result is consumed (on CUDA the
+  // current stream waits, the CPU does not) and point the parameters at the unsharded buffer.
+  // Returns the nanoseconds the calling thread was blocked.
+  int64_t finish_unshard();
+  // -> SHARDED: point parameters back at the shard and free the buffer.
   void reshard();
 
   // Start of an iteration: take the sharded gradients the user holds (possibly none after
@@ -65,7 +85,13 @@ class FlatParamHandle {
   // shard group, then all-reduce across replicas, divided by W) and add them to the stashed
   // sharded gradients. With no_sync, add them to a local unsharded accumulator instead and reduce
   // that with the next synchronized backward.
-  void reduce_grads(bool no_sync);
+  // begin_reduce issues the collectives and returns at once; finish_reduce waits for them and
+  // returns the nanoseconds it blocked. advance_reduce issues the replica all-reduce once the
+  // reduce-scatter is done, without blocking (on CPU; on CUDA it is stream-ordered at issue).
+  void begin_reduce(bool no_sync, bool backward_pass);
+  bool advance_reduce();  // true while a reduce-scatter still has to finish before its all-reduce
+  int64_t finish_reduce();
+  bool reduce_pending() const { return pending_.has_value(); }
   // End of an iteration (requires SHARDED): give the parameters their sharded gradients back.
   void restore_grads();
   bool has_unreduced_grads() const;
@@ -78,12 +104,25 @@ class FlatParamHandle {
 
  private:
   void resize_unsharded(bool allocate);
+  int64_t wait(const WorkPtr& work, SpanKind kind, size_t span, const char* what, bool backward_pass);
+
+  // A reduction in flight: the buffers it reads and writes live here until it is waited for.
+  struct PendingReduction {
+    at::Tensor input;             // [padded_numel] unsharded gradients (reduce-scatter input)
+    at::Tensor output;            // [shard_numel] (or the input itself with F = 1)
+    WorkPtr reduce_scatter, all_reduce;
+    size_t rs_span = 0, ar_span = 0;
+    std::vector<bool> got;        // which parameters contributed gradients
+    bool backward_pass = true;
+  };
+  void issue_all_reduce(PendingReduction& r);
 
   std::string name_;
   FlatParamLayout layout_;
   std::vector<at::Tensor> params_;
   HandleConfig config_;
   CommBytes* comm_;
+  int index_;  // this unit's index, for the timeline
   HandleState state_ = HandleState::SHARDED;
   int64_t element_size_ = 4;
 
@@ -97,6 +136,11 @@ class FlatParamHandle {
   at::Tensor grad_shard_;                 // [shard_numel] storage behind grads_
   at::Tensor no_sync_accum_;              // [padded_numel] unsharded gradients under no_sync
   std::vector<bool> no_sync_got_;         // which parameters the accumulator holds gradients of
+
+  WorkPtr gather_work_;                   // the all-gather in flight while GATHERING
+  size_t gather_span_ = 0;
+  bool gather_backward_ = false;
+  std::optional<PendingReduction> pending_;
 };
 
 }  // namespace fsdp

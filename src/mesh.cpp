@@ -154,7 +154,7 @@ GroupPtr Mesh::make_group(const std::string& name, int group_rank, int group_siz
     opts->devices.clear();
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
-  opts->threads = 2;
+  opts->threads = kGlooThreadsPerGroup;
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("fsdp/pg/" + name, store_), group_rank, group_size, opts);

@@ -25,6 +25,22 @@ std::string to_string(ShardingStrategy s) {
   return "?";
 }
 
+BackwardPrefetch parse_backward_prefetch(const std::string& name) {
+  if (name == "none") return BackwardPrefetch::NONE;
+  if (name == "backward_pre") return BackwardPrefetch::BACKWARD_PRE;
+  if (name == "backward_post") return BackwardPrefetch::BACKWARD_POST;
+  throw std::invalid_argument("unknown backward prefetch mode '" + name + "'; use none, backward_pre or backward_post");
+}
+
+std::string to_string(BackwardPrefetch mode) {
+  switch (mode) {
+    case BackwardPrefetch::NONE: return "none";
+    case BackwardPrefetch::BACKWARD_PRE: return "backward_pre";
+    case BackwardPrefetch::BACKWARD_POST: return "backward_post";
+  }
+  return "?";
+}
+
 WrapPolicy size_based_policy(int64_t min_numel) {
   return [min_numel](const std::string&, const torch::nn::Module&, int64_t unclaimed) {
     return unclaimed >= min_numel;

@@ -1,5 +1,7 @@
 #include "runtime.h"
 
+#include "device.h"
+
 #include <cmath>
 #include <sstream>
 
@@ -74,17 +76,26 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   // Gloo for CPU parameters, NCCL for CUDA parameters.
   const c10::DeviceType device = plans_.empty() || plans_[0].params.empty() ? c10::DeviceType::CPU
                                                                           : plans_[0].params[0].device().type();
+  device_ = plans_.empty() || plans_[0].params.empty() ? c10::Device(c10::kCPU) : plans_[0].params[0].device();
   const ShardingGroups& groups = mesh_->groups(shard_size_, device);
+  TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
+  streams_ = std::make_unique<CommStreams>(device_);
+  limiter_ = std::make_unique<RateLimiter>(options_.limit_all_gathers, /*device_frees=*/streams_->active());
+  // Gloo runs up to this many collectives of one group at once (mesh.cpp); NCCL one per stream.
+  timeline_.set_workers_per_group(streams_->active() ? 1 : kGlooThreadsPerGroup);
   HandleConfig cfg;
   cfg.shard_size = shard_size_;
   cfg.shard_rank = mesh_->rank() % shard_size_;
   cfg.world_size = W;
   cfg.shard_group = groups.shard;
   cfg.replicate_group = groups.replicate;
+  cfg.streams = streams_.get();
+  cfg.timeline = &timeline_;
   shard_group_ = groups.shard;
   for (size_t u = 0; u < plans_.size(); ++u) {
     handles_.push_back(std::make_unique<FlatParamHandle>(plans_[u].name.empty() ? "<root>" : plans_[u].name,
-                                                         plans_[u].fqns, plans_[u].params, cfg, &comm_));
+                                                         plans_[u].fqns, plans_[u].params, cfg, &comm_,
+                                                         static_cast<int>(u)));
     touch::register_storage(this, u, handles_[u]->shard_storage());
     if (shard_size_ > 1) touch::register_storage(this, u, handles_[u]->unsharded_storage());
     for (size_t i = 0; i < plans_[u].params.size(); ++i) {
@@ -96,6 +107,10 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   for (size_t u = 0; u < handles_.size(); ++u) expected_[u].assign(handles_[u]->params().size(), false);
   expected_count_.assign(handles_.size(), 0);
   ready_count_.assign(handles_.size(), 0);
+  forward_span_.assign(handles_.size(), std::nullopt);
+  backward_span_.assign(handles_.size(), std::nullopt);
+  backward_started_.assign(handles_.size(), false);
+  backward_done_.assign(handles_.size(), false);
   for (const auto& h : handles_) memory_.sharded_params += h->sharded_param_bytes();
 }
 
@@ -134,16 +149,41 @@ void Runtime::note_memory() {
   memory_.unsharded_grads_peak = std::max(memory_.unsharded_grads_peak, grads);
 }
 
-void Runtime::unshard_unit(size_t unit) {
-  if (handles_[unit]->state() == HandleState::UNSHARDED) return;
+void Runtime::gather(size_t unit, bool backward_pass) {
+  if (handles_[unit]->state() != HandleState::SHARDED) return;
   touch::Suppress own_work;
-  handles_[unit]->unshard();
+  if (shard_size_ > 1) {
+    const int64_t t0 = Timeline::now_ns();
+    if (const int64_t blocked = limiter_->before_issue()) {
+      timeline_.add(SpanKind::RATE_LIMIT, static_cast<int>(unit), backward_pass, t0, t0 + blocked);
+      overlap_.rate_limiter_wait_ns += blocked;
+    }
+  }
+  if (WorkPtr work = handles_[unit]->begin_unshard(backward_pass)) {
+    limiter_->issued(unit, std::move(work));
+    overlap_.max_all_gathers_in_flight = std::max(overlap_.max_all_gathers_in_flight, limiter_->in_flight());
+  }
   note_memory();
 }
 
-void Runtime::reshard_unit(size_t unit) {
+void Runtime::use(size_t unit, bool backward_pass) {
+  if (handles_[unit]->state() == HandleState::UNSHARDED) return;  // the common case: one check per operator
+  gather(unit, backward_pass);
+  if (handles_[unit]->state() != HandleState::GATHERING) return;
   touch::Suppress own_work;
+  overlap_.exposed_all_gather_ns += handles_[unit]->finish_unshard();
+  limiter_->consumed(unit);
+}
+
+void Runtime::reshard_unit(size_t unit) {
+  if (handles_[unit]->state() == HandleState::SHARDED) return;
+  touch::Suppress own_work;
+  if (handles_[unit]->state() == HandleState::GATHERING) {
+    // A prefetch nobody used: its buffer can only be freed once the collective is done with it.
+    overlap_.exposed_all_gather_ns += handles_[unit]->finish_unshard();
+  }
   handles_[unit]->reshard();
+  if (shard_size_ > 1) limiter_->freed(unit, streams_->mark_compute());
   note_memory();
 }
 
@@ -153,15 +193,36 @@ void Runtime::begin_forward() {
               "call it once per micro-batch, outside backward");
   if (phase_ == Phase::IDLE) {
     for (auto& h : handles_) h->stash_grads();
+    order_.start_iteration();
     touch::arm(this);
   }
   phase_ = Phase::FORWARD;
   touch::set_forward_thread(true);
 }
 
+void Runtime::forward_begins(size_t unit) {
+  order_.forward_started(unit);
+  gather(unit, false);
+  if (options_.forward_prefetch) {
+    // Issued before this unit's all-gather is waited for: both are in flight while it arrives.
+    const auto next = order_.next_in_forward(unit, options_.prefetch_count, [](size_t) { return false; });
+    for (size_t v : next) gather(v, false);
+  }
+  use(unit, false);
+  forward_span_[unit] = timeline_.begin(SpanKind::FORWARD, static_cast<int>(unit), false);
+}
+
+void Runtime::forward_ends(size_t unit) {
+  if (forward_span_[unit]) timeline_.end(*forward_span_[unit]);
+  forward_span_[unit].reset();
+  order_.forward_ended(unit);
+}
+
 void Runtime::end_forward(const std::vector<at::Tensor>& outputs, bool ok) {
   touch::set_forward_thread(false);
+  if (current_unit_) forward_ends(*current_unit_);
   current_unit_.reset();
+  if (root_unit_ && forward_span_[*root_unit_]) forward_ends(*root_unit_);
   bool builds_graph = false;
   if (ok) {
     for (const auto& out : outputs) {
@@ -176,6 +237,7 @@ void Runtime::end_forward(const std::vector<at::Tensor>& outputs, bool ok) {
   }
   backward_pending_ = backward_pending_ || builds_graph;
   for (size_t u = 0; u < handles_.size(); ++u) {
+    // Also frees forward prefetches that were not used (the guess from the last iteration was off).
     if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard_unit(u);
   }
   if (backward_pending_) {
@@ -190,12 +252,16 @@ void Runtime::on_touch(size_t unit, const c10::TensorImpl* tensor) {
     case Phase::FORWARD: {
       if (unit != root_unit_) {
         // The previous unit's forward is over once another unit (not nested in it) starts.
-        if (current_unit_ && *current_unit_ != unit && reshard_after_forward_ && !contains(*current_unit_, unit)) {
-          reshard_unit(*current_unit_);
+        if (current_unit_ && *current_unit_ != unit && !contains(*current_unit_, unit)) {
+          forward_ends(*current_unit_);
+          if (reshard_after_forward_) reshard_unit(*current_unit_);
         }
+        if (current_unit_ != unit && !forward_span_[unit]) forward_begins(unit);
         current_unit_ = unit;
+      } else if (!forward_span_[unit] && handles_[unit]->state() != HandleState::UNSHARDED) {
+        forward_begins(unit);  // the root, at its first operator
       }
-      unshard_unit(unit);
+      use(unit, false);
       if (c10::GradMode::is_enabled()) {
         auto it = param_index_.find(tensor);
         if (it != param_index_.end() && it->second.first == unit) {
@@ -209,11 +275,8 @@ void Runtime::on_touch(size_t unit, const c10::TensorImpl* tensor) {
       break;
     }
     case Phase::FORWARD_DONE:
-      on_backward_started();
-      unshard_unit(unit);
-      break;
     case Phase::BACKWARD:
-      unshard_unit(unit);
+      backward_needs(unit);
       break;
     case Phase::IDLE:
       break;
@@ -229,30 +292,78 @@ void Runtime::on_backward_started() {
   });
 }
 
-void Runtime::on_grad_arriving(size_t unit) {
+void Runtime::backward_needs(size_t unit) {
   on_backward_started();
-  if (phase_ == Phase::BACKWARD) unshard_unit(unit);
+  if (phase_ != Phase::BACKWARD) return;
+  if (backward_started_[unit]) {
+    use(unit, true);
+    return;
+  }
+  backward_started_[unit] = true;
+  gather(unit, true);
+  if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch_backward(unit);
+  use(unit, true);
+  backward_span_[unit] = timeline_.begin(SpanKind::BACKWARD, static_cast<int>(unit), true);
 }
+
+void Runtime::prefetch_backward(size_t unit) {
+  // The root stays gathered through backward; units whose backward is over need nothing more.
+  const auto next = order_.next_in_backward(unit, options_.prefetch_count, [this](size_t u) {
+    return u == root_unit_ || backward_done_[u] || backward_started_[u];
+  });
+  for (size_t v : next) gather(v, true);
+}
+
+void Runtime::on_grad_arriving(size_t unit) { backward_needs(unit); }
 
 void Runtime::on_grad_accumulated(size_t unit, size_t param) {
   on_backward_started();
   if (phase_ != Phase::BACKWARD || !expected_[unit][param]) return;
-  if (++ready_count_[unit] == expected_count_[unit]) {
-    // Every gradient forward made possible for this unit is in: reduce now, while backward goes
-    // on with the units before it.
-    touch::Suppress own_work;
-    handles_[unit]->reduce_grads(no_sync_);
-    reshard_unit(unit);
+  if (++ready_count_[unit] != expected_count_[unit]) return;
+  // Every gradient forward made possible for this unit is in: its backward is over.
+  if (backward_span_[unit]) timeline_.end(*backward_span_[unit]);
+  backward_span_[unit].reset();
+  backward_done_[unit] = true;
+  if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch_backward(unit);
+  reduce_unit(unit);
+  reshard_unit(unit);
+}
+
+void Runtime::reduce_unit(size_t unit) {
+  touch::Suppress own_work;
+  // A unit reduced twice in one backward: finish everything issued so far first, in issue order,
+  // so its all-reduce cannot overtake another unit's on some ranks only.
+  if (handles_[unit]->reduce_pending()) finish_reductions();
+  handles_[unit]->begin_reduce(no_sync_, phase_ == Phase::BACKWARD);
+  if (handles_[unit]->reduce_pending()) reduce_fifo_.push_back(unit);
+  advance_reductions();
+}
+
+void Runtime::advance_reductions() {
+  // In issue order, stopping at the first reduce-scatter still running: the all-reduces across
+  // replicas then go out in the same order on every rank, whatever the timing.
+  for (size_t u : reduce_fifo_) {
+    if (handles_[u]->advance_reduce()) break;
   }
+}
+
+void Runtime::finish_reductions() {
+  touch::Suppress own_work;
+  for (size_t u : reduce_fifo_) overlap_.exposed_reduce_ns += handles_[u]->finish_reduce();
+  reduce_fifo_.clear();
 }
 
 void Runtime::finish_backward() {
   touch::Suppress own_work;
+  finish_reductions();
   // Units whose gradients did not all arrive through the hooks (a parameter forward touched whose
   // gradient never flowed) are reduced here, in unit order, the same on every rank.
-  for (auto& h : handles_) {
-    if (h->has_unreduced_grads()) h->reduce_grads(no_sync_);
+  for (size_t u = 0; u < handles_.size(); ++u) {
+    if (backward_span_[u]) timeline_.end(*backward_span_[u]);
+    backward_span_[u].reset();
+    if (handles_[u]->has_unreduced_grads()) reduce_unit(u);
   }
+  finish_reductions();
   note_memory();
   end_iteration();
 }
@@ -262,9 +373,13 @@ void Runtime::end_iteration() {
     reshard_unit(u);
     handles_[u]->restore_grads();
     std::fill(expected_[u].begin(), expected_[u].end(), false);
+    if (forward_span_[u]) timeline_.end(*forward_span_[u]);
+    forward_span_[u].reset();
   }
   std::fill(expected_count_.begin(), expected_count_.end(), 0);
   std::fill(ready_count_.begin(), ready_count_.end(), 0);
+  std::fill(backward_started_.begin(), backward_started_.end(), false);
+  std::fill(backward_done_.begin(), backward_done_.end(), false);
   backward_pending_ = false;
   current_unit_.reset();
   phase_ = Phase::IDLE;
@@ -276,6 +391,9 @@ Metrics Runtime::metrics() const {
   m.step = step_;
   m.comm = comm_;
   m.memory = memory_;
+  m.overlap = overlap_;
+  m.device = device_memory_stats(device_);
+  m.device.num_alloc_retries -= alloc_retries_at_reset_;
   m.memory.sharded_grads = 0;
   for (const auto& h : handles_) m.memory.sharded_grads += h->sharded_grad_bytes();
   return m;
@@ -285,6 +403,11 @@ void Runtime::reset_step() {
   comm_ = CommBytes{};
   memory_.unsharded_peak = memory_.unsharded_current;
   memory_.unsharded_grads_peak = memory_.unsharded_grads_current;
+  overlap_ = OverlapStats{};
+  limiter_->reset_max();
+  timeline_.clear();
+  reset_device_peaks(device_);
+  alloc_retries_at_reset_ = device_memory_stats(device_).num_alloc_retries;
   ++step_;
 }
 
@@ -302,7 +425,16 @@ double Runtime::clip_grad_norm(double max_norm) {
   for (const auto& g : grads) sumsq.add_(g.to(at::kFloat).pow(2).sum());
   // Each element of a flat parameter lives on exactly one rank of its shard group (replicas hold
   // copies), so the shard group's sum is the global sum of squares.
-  if (shard_size_ > 1) wait_for(all_reduce_sum(shard_group_, sumsq, comm_), "all-reduce of the gradient norm");
+  if (shard_size_ > 1) {
+    const int64_t before = comm_.all_reduce;
+    WorkPtr work = all_reduce_sum(shard_group_, sumsq, comm_);
+    const size_t span = timeline_.collective(SpanKind::ALL_REDUCE, -1, false, shard_group_.get(),
+                                             comm_.all_reduce - before, work, !streams_->active());
+    const int64_t t0 = Timeline::now_ns();
+    wait_for(work, "all-reduce of the gradient norm");
+    timeline_.completed(span);
+    timeline_.add(SpanKind::WAIT, -1, false, t0, Timeline::now_ns(), SpanKind::ALL_REDUCE);
+  }
   const at::Tensor total = sumsq.sqrt();
   const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
   for (auto& g : grads) g.mul_(coef.to(g.dtype()));
@@ -325,6 +457,12 @@ std::vector<UnitInfo> Runtime::units() const {
   return out;
 }
 
+void Runtime::write_trace(const std::string& path) const {
+  std::vector<std::string> names;
+  for (const auto& p : plans_) names.push_back(p.name);
+  write_chrome_trace(path, timeline_.spans(), names, mesh_->rank());
+}
+
 namespace detail {
 std::shared_ptr<Runtime> make_runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> mesh,
                                       Options options) {
@@ -339,6 +477,8 @@ void reset_step(Runtime& rt) { rt.reset_step(); }
 void set_no_sync(Runtime& rt, bool on) { rt.set_no_sync(on); }
 double clip_grad_norm(Runtime& rt, double max_norm) { return rt.clip_grad_norm(max_norm); }
 std::vector<UnitInfo> units(const Runtime& rt) { return rt.units(); }
+std::vector<Span> timeline(const Runtime& rt) { return rt.timeline(); }
+void write_trace(const Runtime& rt, const std::string& path) { rt.write_trace(path); }
 int shard_size(const Runtime& rt) { return rt.shard_size(); }
 }  // namespace detail
 

@@ -9,6 +9,13 @@
 //       One training step of the tiny GPT; writes units, communication and memory metrics.
 //   fsdp-test-worker structure [--mismatch-rank R]
 //       Builds the model (rank R builds a different one) and exits.
+//   fsdp-test-worker overlap [prefetch flags] --out PREFIX
+//       Three steps of a 4-block GPT; writes the last step's timeline and overlap metrics.
+//   fsdp-test-worker dynamic [prefetch flags] --out PREFIX
+//       Trains a stack whose blocks run in a different order (and not all of them) every step,
+//       against local training of the same model; writes max |Δparam| and max |Δloss|.
+// Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
+// --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
 #include <fstream>
 #include <iostream>
 
@@ -31,6 +38,8 @@ constexpr int kSteps = 5;
 struct Args {
   std::string mode, strategy = "full_shard", out = "/tmp/fsdp-worker", variants = "plain";
   int shard_size = 0, mismatch_rank = -1;
+  std::string backward_prefetch = "backward_pre";
+  int forward_prefetch = 0, prefetch_count = 1, limit_all_gathers = 2;
 };
 
 Args parse(int argc, char** argv) {
@@ -43,6 +52,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--out") a.out = v;
     else if (k == "--variants") a.variants = v;
     else if (k == "--mismatch-rank") a.mismatch_rank = std::stoi(v);
+    else if (k == "--backward-prefetch") a.backward_prefetch = v;
+    else if (k == "--forward-prefetch") a.forward_prefetch = std::stoi(v);
+    else if (k == "--prefetch-count") a.prefetch_count = std::stoi(v);
+    else if (k == "--limit-all-gathers") a.limit_all_gathers = std::stoi(v);
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;
@@ -222,7 +235,110 @@ fsdp::Options options_from(const Args& a) {
   fsdp::Options o;
   o.strategy = fsdp::parse_strategy(a.strategy);
   o.shard_size = a.shard_size;
+  o.backward_prefetch = fsdp::parse_backward_prefetch(a.backward_prefetch);
+  o.forward_prefetch = a.forward_prefetch != 0;
+  o.prefetch_count = a.prefetch_count;
+  o.limit_all_gathers = a.limit_all_gathers;
   return o;
+}
+
+// Blocks that run in a different order every step, and one of them not at all on odd steps: a
+// model whose unit order changes between iterations (prefetch guesses are wrong half the time).
+struct RoutedStackImpl : torch::nn::Module {
+  RoutedStackImpl() {
+    for (int i = 0; i < 4; ++i) blocks.push_back(register_module("block" + std::to_string(i), torch::nn::Linear(16, 16)));
+    out = register_module("out", torch::nn::Linear(16, 16));
+  }
+  torch::Tensor forward(const torch::Tensor& x, int64_t step) {
+    static const int orders[3][4] = {{0, 1, 2, 3}, {3, 1, 0, -1}, {2, 0, 3, 1}};
+    auto h = x;
+    for (int i : orders[step % 3]) {
+      if (i >= 0) h = torch::tanh(blocks[static_cast<size_t>(i)](h));
+    }
+    return out(h);
+  }
+  std::vector<torch::nn::Linear> blocks;
+  torch::nn::Linear out{nullptr};
+};
+TORCH_MODULE(RoutedStack);
+
+json run_dynamic(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts) {
+  const int W = mesh->world_size(), rank = mesh->rank();
+  const int64_t per_rank = kGlobalBatch / W, begin = rank * per_rank;
+  torch::manual_seed(0);
+  RoutedStack ref;
+  torch::manual_seed(0);
+  RoutedStack mine;
+  opts.auto_wrap_policy = [](const std::string& fqn, const torch::nn::Module&, int64_t) {
+    return fqn.rfind("block", 0) == 0;
+  };
+  fsdp::FullyShardedDataParallel sharded(mine, mesh, opts);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD my_opt(mine->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  double max_loss_diff = 0;
+  for (int64_t step = 0; step < 7; ++step) {
+    auto [x, y] = uneven_batch(step, 0, kGlobalBatch);
+    ref_opt.zero_grad();
+    my_opt.zero_grad();
+    auto ref_loss = torch::mse_loss(ref->forward(x, step), y);
+    ref_loss.backward();
+    ref_opt.step();
+    auto my_loss = torch::mse_loss(sharded.forward(x.slice(0, begin, begin + per_rank), step),
+                                   y.slice(0, begin, begin + per_rank));
+    my_loss.backward();
+    my_opt.step();
+    std::vector<at::Tensor> v{my_loss.detach().reshape({1}).clone()};
+    mesh->world()->allreduce(v)->wait();
+    max_loss_diff = std::max(max_loss_diff, std::abs(v[0].item<double>() / W - ref_loss.item<double>()));
+  }
+  // Gather every parameter back to compare it whole (a plain all-gather of the flat shards).
+  double max_param_diff = 0;
+  const int F = sharded.shard_size();
+  auto ref_named = ref->named_parameters();
+  for (const auto& unit : sharded.units()) {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& f : unit.fqns) shapes.push_back(ref_named[f].sizes().vec());
+    fsdp::FlatParamLayout layout(unit.fqns, shapes, F);
+    for (size_t i = 0; i < unit.fqns.size(); ++i) {
+      auto sl = layout.slice(i, rank % F);
+      auto mine_p = mine->named_parameters()[unit.fqns[i]].detach().reshape(-1);
+      auto ref_p = ref_named[unit.fqns[i]].detach().reshape(-1).narrow(0, sl.param_begin, sl.length);
+      if (sl.length > 0) max_param_diff = std::max(max_param_diff, (mine_p - ref_p).abs().max().item<double>());
+    }
+  }
+  return json{{"max_param_diff", max_param_diff}, {"max_loss_diff", max_loss_diff}};
+}
+
+json run_overlap(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts) {
+  const int W = mesh->world_size(), rank = mesh->rank();
+  const int64_t per = kGlobalBatch / W;
+  torch::manual_seed(0);
+  auto cfg = models::GPTConfig::preset("tiny");
+  cfg.n_layer = 4;
+  models::GPT gpt(cfg);
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  fsdp::FullyShardedDataParallel sharded(gpt, mesh, opts);
+  torch::optim::SGD opt(gpt->parameters(), torch::optim::SGDOptions(0.1));
+  // Step 0 has no previous order for forward prefetch; the last step is the one to look at.
+  for (int step = 0; step < 3; ++step) {
+    sharded.reset_step();
+    opt.zero_grad();
+    auto loss = gpt_loss([&](const torch::Tensor& x) { return sharded.forward(x); }, step, rank * per, rank * per + per);
+    loss.backward();
+    opt.step();
+  }
+  json spans = json::array();
+  for (const auto& s : sharded.timeline()) {
+    spans.push_back(json{{"kind", fsdp::to_string(s.kind)}, {"unit", s.unit}, {"backward", s.backward_pass},
+                         {"begin_ns", s.begin_ns}, {"start_ns", s.start_ns}, {"end_ns", s.end_ns}, {"seq", s.seq},
+                         {"end_seq", s.end_seq}, {"bytes", s.bytes}});
+  }
+  json names = json::array();
+  for (const auto& u : sharded.units()) names.push_back(u.name);
+  const auto m = sharded.metrics();
+  return json{{"units", names}, {"spans", spans}, {"max_all_gathers_in_flight", m.overlap.max_all_gathers_in_flight},
+              {"exposed_ns", m.overlap.exposed_ns()}, {"all_gather_calls", m.comm.all_gather_calls},
+              {"reduce_scatter_calls", m.comm.reduce_scatter_calls}, {"all_reduce_calls", m.comm.all_reduce_calls}};
 }
 
 void write(const Args& a, int rank, const json& j) {
@@ -276,6 +392,14 @@ int run(const Args& a) {
     }
     write(a, rank, json{{"rank", rank}, {"world_size", mesh->world_size()}, {"shard_size", sharded.shard_size()},
                         {"units", units}, {"steps", steps}});
+    return 0;
+  }
+  if (a.mode == "overlap") {
+    write(a, rank, run_overlap(mesh, options_from(a)));
+    return 0;
+  }
+  if (a.mode == "dynamic") {
+    write(a, rank, run_dynamic(mesh, options_from(a)));
     return 0;
   }
   if (a.mode == "structure") {

@@ -10,9 +10,10 @@
 //     all-reduce     2(R-1)/R · Σ_i S_i/F                           gradient shards across replicas
 //   SHARD_GRAD_OP / HYBRID_SHARD_ZERO2: all-gather (F-1)/F · Σ_i S_i (once), the rest as above
 //   NO_SHARD (F = 1): all-reduce 2(W-1)/W · Σ_i S_i, nothing else
-// Resident sharded parameters = Σ_i ceil(ψ_i/F)·4 bytes. Peak unsharded parameter bytes stay within
-// the largest unit plus one more unit (the root is kept plus the one computing) with resharding
-// after forward, and equal Σ_i S_i without it (every unit stays gathered until backward).
+// Resident sharded parameters = Σ_i ceil(ψ_i/F)·4 bytes. Peak unsharded parameter bytes, with
+// resharding after forward, stay within the two largest units (the root is kept, plus the one
+// computing) without backward prefetch, and within the three largest with BACKWARD_PRE (one more
+// unit gathered ahead, §3.3.2); without resharding they equal Σ_i S_i (all gathered until backward).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,9 +26,12 @@ struct AccountingCase {
   std::string strategy;
   int world;
   int shard_size;
+  std::string backward_prefetch = "backward_pre";
 };
 
-void PrintTo(const AccountingCase& c, std::ostream* os) { *os << c.strategy << " W=" << c.world; }
+void PrintTo(const AccountingCase& c, std::ostream* os) {
+  *os << c.strategy << " W=" << c.world << " " << c.backward_prefetch;
+}
 
 class Accounting : public testing::TestWithParam<AccountingCase> {};
 
@@ -35,7 +39,7 @@ TEST_P(Accounting, MatchesAnalyticVolumesAndMemory) {
   const auto& c = GetParam();
   const std::string out = fsdp_test::temp_prefix("acct-" + c.strategy + std::to_string(c.world));
   std::string cmd = fsdp_test::worker() + " accounting --nproc-per-node " + std::to_string(c.world) +
-                    " --strategy " + c.strategy + " --out " + out;
+                    " --strategy " + c.strategy + " --backward-prefetch " + c.backward_prefetch + " --out " + out;
   if (c.shard_size) cmd += " --shard-size " + std::to_string(c.shard_size);
   auto run = fsdp_test::sh(cmd);
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -73,7 +77,8 @@ TEST_P(Accounting, MatchesAnalyticVolumesAndMemory) {
       if (F == 1) {
         EXPECT_EQ(step["unsharded_peak"].get<int64_t>(), 0) << what;  // replication allocates nothing extra
       } else if (reshard_after_forward) {
-        EXPECT_LE(step["unsharded_peak"].get<int64_t>(), sizes[0] + sizes[1]) << what;
+        const int64_t ahead = c.backward_prefetch == "none" ? 0 : sizes[2];
+        EXPECT_LE(step["unsharded_peak"].get<int64_t>(), sizes[0] + sizes[1] + ahead) << what;
         EXPECT_GE(step["unsharded_peak"].get<int64_t>(), sizes[0]) << what;
       } else {
         EXPECT_EQ(step["unsharded_peak"].get<int64_t>(), sum_s) << what;
@@ -85,11 +90,13 @@ TEST_P(Accounting, MatchesAnalyticVolumesAndMemory) {
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Accounting,
                          testing::Values(AccountingCase{"full_shard", 3, 0}, AccountingCase{"full_shard", 4, 0},
+                                         AccountingCase{"full_shard", 4, 0, "none"},
                                          AccountingCase{"shard_grad_op", 3, 0}, AccountingCase{"no_shard", 2, 0},
                                          AccountingCase{"hybrid_shard", 4, 2},
                                          AccountingCase{"hybrid_shard_zero2", 4, 2}),
                          [](const testing::TestParamInfo<AccountingCase>& i) {
-                           return i.param.strategy + "_W" + std::to_string(i.param.world);
+                           return i.param.strategy + "_W" + std::to_string(i.param.world) +
+                                  (i.param.backward_prefetch == "none" ? "_no_prefetch" : "");
                          });
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "fsdp/mesh.h"
 #include "fsdp/metrics.h"
 #include "fsdp/options.h"
+#include "fsdp/trace.h"
 
 namespace fsdp {
 
@@ -57,6 +58,8 @@ void set_no_sync(Runtime& rt, bool on);
 double clip_grad_norm(Runtime& rt, double max_norm);
 std::vector<UnitInfo> units(const Runtime& rt);
 int shard_size(const Runtime& rt);
+std::vector<Span> timeline(const Runtime& rt);
+void write_trace(const Runtime& rt, const std::string& path);
 
 inline void collect(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
 inline void collect(const std::vector<at::Tensor>& v, std::vector<at::Tensor>& out) {
@@ -126,6 +129,11 @@ class FullyShardedDataParallel {
   Metrics metrics() const { return detail::metrics(*runtime_); }
   void reset_step() { detail::reset_step(*runtime_); }
   std::vector<UnitInfo> units() const { return detail::units(*runtime_); }
+  // This rank's spans since the last reset_step(): each unit's forward and backward computation,
+  // each collective (issue, start, end) and each blocking wait.
+  std::vector<Span> timeline() const { return detail::timeline(*runtime_); }
+  // The same as a Chrome trace JSON file (Perfetto, chrome://tracing); call it after a step.
+  void write_trace(const std::string& path) const { detail::write_trace(*runtime_, path); }
   int shard_size() const { return detail::shard_size(*runtime_); }
   Runtime& runtime() { return *runtime_; }
 

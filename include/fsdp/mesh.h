@@ -13,6 +13,10 @@
 
 namespace fsdp {
 
+// Gloo process groups run up to this many collectives at once, each on its own thread: an
+// all-gather for the next unit need not queue behind this unit's reduce-scatter.
+inline constexpr int kGlooThreadsPerGroup = 2;
+
 using GroupPtr = c10::intrusive_ptr<c10d::Backend>;
 
 // The torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,

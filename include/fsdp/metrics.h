@@ -29,10 +29,33 @@ struct MemoryBytes {
   int64_t unsharded_grads_peak = 0;
 };
 
+// How well communication hid behind computation, since the last reset_step().
+struct OverlapStats {
+  // Wall time the compute thread was blocked waiting for a collective: the exposed communication.
+  // On CUDA the waits are stream-ordered and do not block the CPU, so this counts only the rate
+  // limiter; use the trace (or nsys) for device-side exposure there.
+  int64_t exposed_all_gather_ns = 0;     // waiting for parameters to arrive
+  int64_t exposed_reduce_ns = 0;         // waiting for gradient reductions (mostly at backward's end)
+  int64_t rate_limiter_wait_ns = 0;      // blocked by the rate limiter
+  int64_t max_all_gathers_in_flight = 0; // the most all-gathers issued and not yet consumed at once
+  int64_t exposed_ns() const { return exposed_all_gather_ns + exposed_reduce_ns + rate_limiter_wait_ns; }
+};
+
+// The CUDA caching allocator's statistics for the root's device (zeros on CPU), since the last
+// reset_step(): the figures that show whether the rate limiter keeps the allocator sane (§3.4).
+struct DeviceMemoryStats {
+  int64_t allocated_peak = 0;
+  int64_t active_peak = 0;
+  int64_t reserved_peak = 0;
+  int64_t num_alloc_retries = 0;  // cudaMalloc retries after flushing the cache: a bad sign
+};
+
 struct Metrics {
   int64_t step = 0;  // number of reset_step() calls so far
   CommBytes comm;    // since the last reset_step()
   MemoryBytes memory;
+  OverlapStats overlap;
+  DeviceMemoryStats device;
 };
 
 }  // namespace fsdp

@@ -22,6 +22,20 @@ enum class ShardingStrategy {
 ShardingStrategy parse_strategy(const std::string& name);
 std::string to_string(ShardingStrategy strategy);
 
+// When backward gathers the next unit's parameters (paper §3.3.2). The order is the reverse of
+// this iteration's post-forward order, recorded afresh every iteration.
+enum class BackwardPrefetch {
+  NONE,           // gather a unit only when backward reaches it: all-gathers are fully exposed
+  BACKWARD_PRE,   // when a unit's backward starts, issue the next unit's all-gather (overlaps the
+                  // current unit's gradient computation; one more unit's memory)
+  BACKWARD_POST,  // when a unit's backward ends, issue the next unit's all-gather, ahead of the
+                  // current unit's reduce-scatter
+};
+
+// "none", "backward_pre", "backward_post".
+BackwardPrefetch parse_backward_prefetch(const std::string& name);
+std::string to_string(BackwardPrefetch mode);
+
 // Decides whether a module becomes its own FSDP unit. Called bottom-up (children before parents)
 // with the module's fully qualified name and the number of parameter elements in its subtree
 // that no deeper unit has claimed yet.
@@ -47,6 +61,20 @@ struct Options {
   int shard_size = 0;
   // Modules that become units besides those marked with fully_shard(). Empty: no automatic units.
   WrapPolicy auto_wrap_policy;
+
+  // --- overlap of communication with computation (paper §3.3, §3.4) ---
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
+  // Issue the next units' all-gathers when a unit's forward starts, in the order the previous
+  // iteration ran them. Only right for static graphs (a wrong guess costs memory and bandwidth,
+  // never correctness), so off by default.
+  bool forward_prefetch = false;
+  // How many units ahead a prefetch reaches (PyTorch prefetches 1).
+  int prefetch_count = 1;
+  // The rate limiter: at most this many all-gathers in flight; 0 switches it off. On CUDA an
+  // all-gather stays in flight until the device has freed its unsharded buffer (it bounds how
+  // far the CPU can run ahead of the caching allocator); on CPU until the compute thread has
+  // waited for it.
+  int limit_all_gathers = 2;
 };
 
 }  // namespace fsdp

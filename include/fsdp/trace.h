@@ -1,0 +1,45 @@
+// One rank's timeline of a step: when each unit computed and what each collective did. It is what
+// makes overlap visible (paper Fig. 6/7): read it with FullyShardedDataParallel::timeline(), or
+// write it as a Chrome trace with write_trace() and open it in Perfetto or chrome://tracing.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+enum class SpanKind {
+  FORWARD,         // a unit's forward computation (from its parameters being ready to its end)
+  BACKWARD,        // a unit's gradient computation (from being needed in backward to its last gradient)
+  ALL_GATHER,      // collectives: begin = issue, start = when the backend began it, end = completion
+  REDUCE_SCATTER,
+  ALL_REDUCE,
+  WAIT,            // the compute thread blocked on a collective: exposed communication
+  RATE_LIMIT,      // the compute thread blocked by the rate limiter
+};
+std::string to_string(SpanKind kind);
+
+struct Span {
+  SpanKind kind = SpanKind::FORWARD;
+  int unit = -1;               // index into units(); -1 when not about one unit
+  bool backward_pass = false;  // recorded while the root was in backward
+  int64_t begin_ns = 0;        // steady clock
+  int64_t start_ns = 0;        // collectives: estimated from the backend's queue (see docs/design.md)
+  int64_t end_ns = 0;          // 0 while not finished
+  int64_t seq = 0;             // order in which the compute thread began (or issued) spans
+  int64_t end_seq = 0;         // order in which the compute thread ended them (0: not ended there)
+  int64_t bytes = 0;           // collectives: ring-convention bytes
+  int track = 0;               // collectives: which backend worker ran it (for the trace layout)
+  SpanKind waited_for = SpanKind::WAIT;  // WAIT spans: the kind of collective waited for
+  bool is_collective() const {
+    return kind == SpanKind::ALL_GATHER || kind == SpanKind::REDUCE_SCATTER || kind == SpanKind::ALL_REDUCE;
+  }
+};
+
+// Writes `spans` as Chrome trace JSON (one process per rank, one track for compute and one per
+// collective worker). Unit names label the spans. Written to a temporary file, then renamed.
+void write_chrome_trace(const std::string& path, const std::vector<Span>& spans,
+                        const std::vector<std::string>& unit_names, int rank);
+
+}  // namespace fsdp

@@ -1,0 +1,54 @@
+// Records the spans of include/fsdp/trace.h for the current step. The compute thread opens and
+// closes spans; collectives complete on the backend's threads, which only stamp end times, so a
+// mutex guards the list. The runtime clears it at reset_step().
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "collectives.h"
+#include "fsdp/trace.h"
+
+namespace fsdp {
+
+class Timeline {
+ public:
+  // `workers_per_group`: how many collectives a process group runs at once (Gloo: its thread
+  // count); used to estimate when a queued collective started.
+  explicit Timeline(int workers_per_group = 1);
+  void set_workers_per_group(int workers) { workers_ = workers < 1 ? 1 : workers; }
+
+  static int64_t now_ns();
+
+  size_t begin(SpanKind kind, int unit, bool backward_pass);
+  void end(size_t span);
+  // A span already over (e.g. a wait measured by its caller).
+  void add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns, int64_t end_ns,
+           SpanKind waited_for = SpanKind::WAIT);
+  // Records the issue of a collective on process group `group` (any stable id). Its completion is
+  // stamped by the backend's completion callback when `stamp_completion` (Gloo completes the
+  // future when the data is there; a CUDA future completes on enqueue, so CUDA passes false and
+  // the wait stamps it instead).
+  size_t collective(SpanKind kind, int unit, bool backward_pass, const void* group, int64_t bytes,
+                    const WorkPtr& work, bool stamp_completion);
+  // The compute thread saw the collective finish (after waiting for it).
+  void completed(size_t span);
+
+  std::vector<Span> spans() const;  // with start times estimated
+  void clear();
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::vector<Span> spans;
+    std::vector<const void*> groups;  // per span: the process group of a collective
+    int64_t generation = 0;           // bumped by clear(): late callbacks of old steps are dropped
+    int64_t seq = 0;
+  };
+  static constexpr size_t kMaxSpans = 1 << 18;
+  std::shared_ptr<State> state_;
+  int workers_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,202 @@
+// Overlap of communication with computation (paper §3.3, §3.4), checked on the order of events
+// each rank records, never on timings (this machine is shared and noisy).
+//
+// The model is the tiny GPT with 4 block units b0..b3 and the root unit. Forward runs
+// root, b0, b1, b2, b3; backward runs root, b3, b2, b1, b0 (reverse post-forward order).
+//   BACKWARD_PRE   b_{i-1}'s all-gather is issued before b_i's backward computation ends and
+//                  before b_i's reduce-scatter
+//   BACKWARD_POST  it is issued after b_i's backward computation, before b_i's reduce-scatter
+//   NONE           it is issued only after b_i's reduce-scatter (when b_{i-1} is reached)
+//   forward prefetch   b_{i+1}'s all-gather is issued before b_i's forward computation starts
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "dist_test_util.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+struct Events {
+  std::map<int, int64_t> fwd_ag, bwd_ag, rs, fwd_begin, bwd_end;  // per unit: the seq of the event
+  std::map<std::string, int> unit;                                 // name -> index
+  json raw;
+};
+
+Events run_overlap(const std::string& flags, int world, int rank = 0) {
+  const std::string out = fsdp_test::temp_prefix("overlap");
+  auto run = fsdp_test::sh(fsdp_test::worker() + " overlap --nproc-per-node " + std::to_string(world) + " " + flags +
+                           " --out " + out);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  Events e;
+  if (run.exit_code != 0) return e;
+  e.raw = fsdp_test::read_json(out + "." + std::to_string(rank) + ".json");
+  for (int r = 0; r < world; ++r) std::remove((out + "." + std::to_string(r) + ".json").c_str());
+  for (size_t i = 0; i < e.raw["units"].size(); ++i) e.unit[e.raw["units"][i].get<std::string>()] = static_cast<int>(i);
+  for (const auto& s : e.raw["spans"]) {
+    const std::string kind = s["kind"];
+    const int u = s["unit"];
+    const bool bwd = s["backward"];
+    const int64_t seq = s["seq"];
+    // The first event of each kind per unit and pass (each happens once per step here).
+    if (kind == "all-gather") (bwd ? e.bwd_ag : e.fwd_ag).emplace(u, seq);
+    if (kind == "reduce-scatter") e.rs.emplace(u, seq);
+    if (kind == "forward") e.fwd_begin.emplace(u, seq);
+    if (kind == "backward") e.bwd_end.emplace(u, s["end_seq"].get<int64_t>());
+  }
+  return e;
+}
+
+int block(const Events& e, int i) { return e.unit.at("blocks." + std::to_string(i)); }
+
+TEST(Overlap, BackwardPreIssuesNextAllGatherBeforeCurrentReduceScatter) {
+  Events e = run_overlap("--backward-prefetch backward_pre", 2);
+  ASSERT_EQ(e.unit.size(), 5u);
+  for (int i = 3; i >= 1; --i) {
+    const int cur = block(e, i), next = block(e, i - 1);
+    ASSERT_TRUE(e.bwd_ag.count(next) && e.rs.count(cur) && e.bwd_end.count(cur)) << e.raw.dump();
+    EXPECT_LT(e.bwd_ag[next], e.bwd_end[cur]) << "b" << i - 1 << " gathered while b" << i << " computes";
+    EXPECT_LT(e.bwd_ag[next], e.rs[cur]) << "b" << i - 1 << "'s all-gather ahead of b" << i << "'s reduce-scatter";
+    EXPECT_GT(e.bwd_ag[next], e.bwd_ag[cur]);
+  }
+}
+
+TEST(Overlap, BackwardPostIssuesNextAllGatherAfterComputeBeforeReduceScatter) {
+  Events e = run_overlap("--backward-prefetch backward_post", 2);
+  ASSERT_EQ(e.unit.size(), 5u);
+  for (int i = 3; i >= 1; --i) {
+    const int cur = block(e, i), next = block(e, i - 1);
+    ASSERT_TRUE(e.bwd_ag.count(next) && e.rs.count(cur) && e.bwd_end.count(cur)) << e.raw.dump();
+    EXPECT_GT(e.bwd_ag[next], e.bwd_end[cur]);
+    EXPECT_LT(e.bwd_ag[next], e.rs[cur]);
+  }
+}
+
+TEST(Overlap, NoPrefetchGathersOnlyWhenReached) {
+  Events e = run_overlap("--backward-prefetch none", 2);
+  ASSERT_EQ(e.unit.size(), 5u);
+  for (int i = 3; i >= 1; --i) {
+    const int cur = block(e, i), next = block(e, i - 1);
+    ASSERT_TRUE(e.bwd_ag.count(next) && e.rs.count(cur)) << e.raw.dump();
+    EXPECT_GT(e.bwd_ag[next], e.rs[cur]);
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_GT(e.fwd_ag[block(e, i + 1)], e.fwd_begin[block(e, i)]);
+}
+
+TEST(Overlap, ForwardPrefetchIssuesNextAllGatherBeforeCurrentComputes) {
+  Events e = run_overlap("--forward-prefetch 1", 2);
+  ASSERT_EQ(e.unit.size(), 5u);
+  for (int i = 0; i < 3; ++i) {
+    const int cur = block(e, i), next = block(e, i + 1);
+    ASSERT_TRUE(e.fwd_ag.count(next) && e.fwd_begin.count(cur)) << e.raw.dump();
+    EXPECT_LT(e.fwd_ag[next], e.fwd_begin[cur]) << "b" << i + 1 << " gathered before b" << i << " computes";
+  }
+  // Every collective ran after it was issued and finished.
+  for (const auto& s : e.raw["spans"]) {
+    const std::string kind = s["kind"];
+    if (kind != "all-gather" && kind != "reduce-scatter" && kind != "all-reduce") continue;
+    EXPECT_GT(s["end_ns"].get<int64_t>(), 0) << s.dump();
+    EXPECT_LE(s["begin_ns"].get<int64_t>(), s["start_ns"].get<int64_t>()) << s.dump();
+    EXPECT_LE(s["start_ns"].get<int64_t>(), s["end_ns"].get<int64_t>()) << s.dump();
+  }
+}
+
+TEST(Overlap, RateLimiterBoundsAllGathersInFlight) {
+  // Prefetching 3 units ahead in both passes would put 4 all-gathers in flight.
+  const std::string deep = "--forward-prefetch 1 --prefetch-count 3 ";
+  for (int limit : {1, 2}) {
+    Events e = run_overlap(deep + "--limit-all-gathers " + std::to_string(limit), 2);
+    EXPECT_EQ(e.raw["max_all_gathers_in_flight"].get<int>(), limit) << "limit " << limit;
+  }
+  Events off = run_overlap(deep + "--limit-all-gathers 0", 2);
+  EXPECT_GE(off.raw["max_all_gathers_in_flight"].get<int>(), 3) << "without the limiter the prefetches pile up";
+}
+
+// A model whose unit order changes every iteration (and skips a unit on some) trains with every
+// prefetch on and stays equal to local training.
+TEST(Overlap, ChangingUnitOrderStaysEqualToLocalTraining) {
+  for (std::string flags : {"--backward-prefetch backward_pre --forward-prefetch 1 --prefetch-count 2",
+                            "--backward-prefetch backward_post --forward-prefetch 1 --strategy hybrid_shard --shard-size 2"}) {
+    const int world = flags.find("hybrid") != std::string::npos ? 4 : 3;
+    const std::string out = fsdp_test::temp_prefix("dynamic");
+    auto run = fsdp_test::sh(fsdp_test::worker() + " dynamic --nproc-per-node " + std::to_string(world) + " " + flags +
+                             " --out " + out);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    for (int r = 0; r < world; ++r) {
+      auto j = fsdp_test::read_json(out + "." + std::to_string(r) + ".json");
+      EXPECT_LE(j["max_param_diff"].get<double>(), 1e-5) << flags << " rank " << r << " " << j.dump();
+      EXPECT_LE(j["max_loss_diff"].get<double>(), 1e-5) << flags << " rank " << r << " " << j.dump();
+      std::remove((out + "." + std::to_string(r) + ".json").c_str());
+    }
+  }
+}
+
+// Every prefetch mode keeps the full parity suite's guarantees (tiny GPT and the uneven net,
+// SGD and AdamW, two forwards, accumulation, no_sync, clipping).
+TEST(Overlap, EveryPrefetchModeMatchesLocalTraining) {
+  for (std::string flags : {"--backward-prefetch backward_post --forward-prefetch 1",
+                            "--backward-prefetch none --limit-all-gathers 0",
+                            "--backward-prefetch backward_pre --forward-prefetch 1 --prefetch-count 2 --limit-all-gathers 1"}) {
+    const std::string out = fsdp_test::temp_prefix("overlap-parity");
+    auto run = fsdp_test::sh(fsdp_test::worker() + " parity --nproc-per-node 3 --variants all " + flags + " --out " + out);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    for (int r = 0; r < 3; ++r) {
+      auto j = fsdp_test::read_json(out + "." + std::to_string(r) + ".json");
+      for (const auto& k : j["cases"]) {
+        const double tol = k["optim"] == "sgd" ? 1e-5 : 1e-4;
+        EXPECT_LE(k["max_param_diff"].get<double>(), tol) << flags << " rank " << r << ": " << k.dump();
+        EXPECT_LE(k["max_loss_diff"].get<double>(), 1e-5) << flags << " rank " << r << ": " << k.dump();
+        EXPECT_TRUE(k["unused_grad_none"].get<bool>()) << flags << " rank " << r << ": " << k.dump();
+      }
+      std::remove((out + "." + std::to_string(r) + ".json").c_str());
+    }
+  }
+}
+
+// The training program's --trace: valid Chrome-trace JSON with one compute span per unit per pass
+// and one span per collective the step issued.
+TEST(Overlap, TrainingTraceHoldsEveryUnitAndCollective) {
+  const std::string dir = fsdp_test::temp_prefix("trace");
+  const std::string metrics = dir + "-metrics.jsonl";
+  auto run = fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train --nproc-per-node 2 --model tiny --steps 3 --trace " + dir +
+                           " --trace-step 1 --metrics-jsonl " + metrics);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  json calls;
+  {
+    std::ifstream in(metrics);
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = json::parse(line);
+      if (j["rank"] == 0 && j["step"] == 1) calls = j["comm_calls"];
+    }
+  }
+  ASSERT_FALSE(calls.is_null());
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream in(dir + "/trace-rank" + std::to_string(r) + ".json");
+    ASSERT_TRUE(in.good()) << "no trace for rank " << r;
+    const json trace = json::parse(in);  // throws (fails the test) on invalid JSON
+    std::map<std::string, int> forward, backward, collectives;
+    for (const auto& ev : trace["traceEvents"]) {
+      if (ev["ph"] != "X") continue;
+      EXPECT_EQ(ev["pid"].get<int>(), r);
+      EXPECT_GE(ev["dur"].get<double>(), 0.0);
+      const std::string cat = ev["cat"], unit = ev["args"]["unit"];
+      if (cat == "forward") ++forward[unit];
+      if (cat == "backward") ++backward[unit];
+      if (cat == "all-gather" || cat == "reduce-scatter" || cat == "all-reduce") ++collectives[cat];
+    }
+    for (const std::string unit : {"<root>", "blocks.0", "blocks.1"}) {
+      EXPECT_EQ(forward[unit], 1) << unit;
+      EXPECT_EQ(backward[unit], 1) << unit;
+    }
+    if (r == 0) {
+      EXPECT_EQ(collectives["all-gather"], calls["all_gather"].get<int>());
+      EXPECT_EQ(collectives["reduce-scatter"], calls["reduce_scatter"].get<int>());
+      EXPECT_EQ(collectives["all-reduce"], calls["all_reduce"].get<int>());
+    }
+  }
+  std::system(("rm -rf " + dir + " " + metrics).c_str());
+}
+
+}  // namespace
