@@ -1,7 +1,9 @@
-// fsdp-bench: step time of every sharding strategy against local training, measured side by side
-// in one run on the same machine, model, data and global batch. Each configuration is a run of
+// fsdp-bench: step time of every sharding strategy (--suite strategies) or of every overlap
+// setting (--suite overlap: prefetch modes, rate limiter) against local training, measured side
+// by side in one run on the same machine, model, data and global batch. Each configuration is a run of
 // build/bin/fsdp-train (the local baseline with --local); the step times after warm-up come from
-// its --metrics-jsonl output, and the table reports medians and their ratio to local training.
+// its --metrics-jsonl output, and the table reports medians and their ratio to local training,
+// with the communication time the compute thread was exposed to (waiting on a collective).
 // Configurations are interleaved over --repeats rounds so machine noise hits all of them alike.
 #include <unistd.h>
 
@@ -20,6 +22,7 @@ struct Config {
   std::string label, strategy;
   int world = 1, shard_size = 0;
   bool local = false;
+  std::string extra;  // more fsdp-train flags
 };
 
 std::string self_dir() {
@@ -42,8 +45,10 @@ int main(int argc, char** argv) {
   std::string model = "default";
   int steps = 12, warmup = 4, repeats = 3;
   int64_t batch = 16;
-  std::string out_md;
-  CLI::App app{"fsdp-bench: step-time ratios of every strategy against local training"};
+  std::string out_md, suite = "strategies";
+  CLI::App app{"fsdp-bench: step-time ratios of every strategy or overlap setting against local training"};
+  app.add_option("--suite", suite, "strategies: every sharding strategy; overlap: prefetch modes and the rate limiter")
+      ->check(CLI::IsMember({"strategies", "overlap"}));
   app.add_option("--model", model, "GPT preset");
   app.add_option("--steps", steps, "steps per run (including warm-up)");
   app.add_option("--warmup", warmup, "steps dropped from each run");
@@ -52,17 +57,30 @@ int main(int argc, char** argv) {
   app.add_option("--markdown", out_md, "also write the table to this file");
   CLI11_PARSE(app, argc, argv);
 
-  std::vector<Config> configs{{"local", "full_shard", 1, 0, true}};
-  for (int w : {1, 2, 4}) {
-    for (std::string s : {"full_shard", "shard_grad_op", "no_shard"}) configs.push_back({s, s, w, 0, false});
+  std::vector<Config> configs{{"local", "full_shard", 1, 0, true, ""}};
+  if (suite == "strategies") {
+    for (int w : {1, 2, 4}) {
+      for (std::string s : {"full_shard", "shard_grad_op", "no_shard"}) configs.push_back({s, s, w, 0, false, ""});
+    }
+    configs.push_back({"hybrid_shard", "hybrid_shard", 4, 2, false, ""});
+    configs.push_back({"hybrid_shard_zero2", "hybrid_shard_zero2", 4, 2, false, ""});
+  } else {
+    for (int w : {2, 4}) {
+      configs.push_back({"no prefetch", "full_shard", w, 0, false, "--backward-prefetch none"});
+      configs.push_back({"backward_post", "full_shard", w, 0, false, "--backward-prefetch backward_post"});
+      configs.push_back({"backward_pre (default)", "full_shard", w, 0, false, "--backward-prefetch backward_pre"});
+      configs.push_back({"backward_pre + forward prefetch", "full_shard", w, 0, false,
+                         "--backward-prefetch backward_pre --forward-prefetch"});
+      configs.push_back({"backward_pre, rate limiter off", "full_shard", w, 0, false,
+                         "--backward-prefetch backward_pre --limit-all-gathers 0"});
+    }
   }
-  configs.push_back({"hybrid_shard", "hybrid_shard", 4, 2, false});
-  configs.push_back({"hybrid_shard_zero2", "hybrid_shard_zero2", 4, 2, false});
 
   const std::string train = self_dir() + "/fsdp-train";
   const std::string tmp = "/tmp/fsdp-bench-" + std::to_string(::getpid());
   std::map<size_t, std::vector<double>> step_ms;  // config -> post-warm-up step times, all rounds
   std::map<size_t, double> comm_mb;
+  std::map<size_t, std::vector<double>> exposed_ms;
   for (int round = 0; round < repeats; ++round) {
     for (size_t i = 0; i < configs.size(); ++i) {
       const Config& c = configs[i];
@@ -72,6 +90,7 @@ int main(int argc, char** argv) {
                         std::to_string(batch) + " --log-every 1000000 --metrics-jsonl " + jsonl;
       cmd += c.local ? " --local" : " --nproc-per-node " + std::to_string(c.world) + " --strategy " + c.strategy;
       if (c.shard_size) cmd += " --shard-size " + std::to_string(c.shard_size);
+      if (!c.extra.empty()) cmd += " " + c.extra;
       cmd += " > " + tmp + ".log 2>&1";
       if (std::system(cmd.c_str()) != 0) {
         std::cerr << "fsdp-bench: run failed: " << cmd << " (see " << tmp << ".log)" << std::endl;
@@ -83,6 +102,7 @@ int main(int argc, char** argv) {
         auto j = nlohmann::json::parse(line);
         if (j["rank"] != 0 || j["step"].get<int>() < warmup) continue;
         step_ms[i].push_back(j["step_ms"].get<double>());
+        if (j.contains("exposed_comm_ms")) exposed_ms[i].push_back(j["exposed_comm_ms"].get<double>());
         const auto& cb = j["comm_bytes"];
         comm_mb[i] = (cb["all_gather"].get<double>() + cb["reduce_scatter"].get<double>() +
                       cb["all_reduce"].get<double>()) / 1e6;
@@ -95,17 +115,19 @@ int main(int argc, char** argv) {
 
   const double local = median(step_ms[0]);
   std::ostringstream table;
-  table << "| configuration | W | F | median step (ms) | ratio to local | comm per rank per step (MB) |\n";
-  table << "|---|---|---|---|---|---|\n";
+  table << "| configuration | W | F | median step (ms) | ratio to local | exposed comm (ms) | comm per rank per step (MB) |\n";
+  table << "|---|---|---|---|---|---|---|\n";
   for (size_t i = 0; i < configs.size(); ++i) {
     const Config& c = configs[i];
     const int F = c.local ? 1 : c.strategy == "no_shard" ? 1 : c.shard_size ? c.shard_size : c.world;
     char row[256];
-    std::snprintf(row, sizeof(row), "| %s | %d | %d | %.1f | %.2f | %.2f |\n", c.label.c_str(), c.world, F,
-                  median(step_ms[i]), median(step_ms[i]) / local, comm_mb[i]);
+    char exposed[32] = "—";
+    if (!c.local) std::snprintf(exposed, sizeof(exposed), "%.1f", median(exposed_ms[i]));
+    std::snprintf(row, sizeof(row), "| %s | %d | %d | %.1f | %.2f | %s | %.2f |\n", c.label.c_str(), c.world, F,
+                  median(step_ms[i]), median(step_ms[i]) / local, exposed, comm_mb[i]);
     table << row;
   }
-  std::cout << "model " << model << ", global batch " << batch << ", " << repeats << " rounds x "
+  std::cout << "suite " << suite << ", model " << model << ", global batch " << batch << ", " << repeats << " rounds x "
             << (steps - warmup) << " timed steps each (medians)\n" << table.str();
   if (!out_md.empty()) std::ofstream(out_md) << table.str();
   return 0;

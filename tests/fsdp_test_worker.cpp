@@ -14,6 +14,7 @@
 //   fsdp-test-worker dynamic [prefetch flags] --out PREFIX
 //       Trains a stack whose blocks run in a different order (and not all of them) every step,
 //       against local training of the same model; writes max |Δparam| and max |Δloss|.
+// --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
 #include <fstream>
@@ -40,7 +41,11 @@ struct Args {
   int shard_size = 0, mismatch_rank = -1;
   std::string backward_prefetch = "backward_pre";
   int forward_prefetch = 0, prefetch_count = 1, limit_all_gathers = 2;
+  std::string device = "cpu";
 };
+
+// Where parity models and batches live (--device).
+torch::Device g_device(torch::kCPU);
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -56,6 +61,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--forward-prefetch") a.forward_prefetch = std::stoi(v);
     else if (k == "--prefetch-count") a.prefetch_count = std::stoi(v);
     else if (k == "--limit-all-gathers") a.limit_all_gathers = std::stoi(v);
+    else if (k == "--device") a.device = v;
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;
@@ -80,7 +86,7 @@ std::pair<torch::Tensor, torch::Tensor> uneven_batch(int64_t step, int64_t begin
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
   auto x = at::randn({kGlobalBatch, 16}, gen, at::kFloat);
   auto y = at::randn({kGlobalBatch, 16}, gen, at::kFloat);
-  return {x.slice(0, begin, end), y.slice(0, begin, end)};
+  return {x.slice(0, begin, end).to(g_device), y.slice(0, begin, end).to(g_device)};
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optim(const std::string& kind, torch::nn::Module& m) {
@@ -114,7 +120,7 @@ template <typename Forward>
 torch::Tensor gpt_loss(Forward&& fwd, int64_t step, int64_t begin, int64_t end) {
   auto cfg = models::GPTConfig::preset("tiny");
   auto [x, y] = corpus().batch(step, kGlobalBatch, cfg.block_size, 7, begin, end);
-  return models::lm_loss(fwd(x), y);
+  return models::lm_loss(fwd(x.to(g_device)), y.to(g_device));
 }
 
 json run_parity_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const std::string& model,
@@ -123,8 +129,11 @@ json run_parity_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
   const int64_t per_rank = kGlobalBatch / W, begin = rank * per_rank, end = begin + per_rank;
   auto build = [&]() -> std::shared_ptr<torch::nn::Module> {
     torch::manual_seed(0);
-    if (model == "gpt") return models::GPT(models::GPTConfig::preset("tiny")).ptr();
-    return models::UnevenNet().ptr();
+    std::shared_ptr<torch::nn::Module> m;
+    if (model == "gpt") m = models::GPT(models::GPTConfig::preset("tiny")).ptr();
+    else m = models::UnevenNet().ptr();
+    m->to(g_device);  // initialized on the CPU (same numbers on every device), then moved
+    return m;
   };
   if (std::getenv("FSDP_TEST_VERBOSE")) std::cerr << "case " << model << " " << optim << " " << variant << std::endl;
   auto ref = build();
@@ -201,7 +210,7 @@ json run_parity_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
     ref_opt->step();
     my_opt->step();
     // The global loss is the mean of the ranks' means (equal slices).
-    auto global = my_loss.detach().reshape({1}).clone();
+    auto global = my_loss.detach().reshape({1}).to(torch::kCPU).clone();
     std::vector<at::Tensor> v{global};
     mesh->world()->allreduce(v)->wait();
     max_loss_diff = std::max(max_loss_diff, std::abs(global.item<double>() / W - ref_loss.item<double>()));
@@ -347,6 +356,14 @@ void write(const Args& a, int rank, const json& j) {
 
 int run(const Args& a) {
   torch::set_num_threads(1);
+  if (a.device == "cuda") {
+    if (!torch::cuda::is_available()) throw std::invalid_argument("--device cuda: no CUDA device visible");
+    const auto env = fsdp::LaunchEnv::from_environment();
+    g_device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % torch::cuda::device_count()));
+    c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(g_device);
+  } else if (a.device != "cpu") {
+    throw std::invalid_argument("--device must be cpu or cuda");
+  }
   auto mesh = fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
   const int rank = mesh->rank();
   if (a.mode == "parity") {
