@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include "fsdp/fsdp.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/launch.h"
 #include "models/data.h"
 #include "models/gpt.h"
@@ -47,6 +48,8 @@ struct Config {
   int limit_all_gathers = 2;
   std::string trace_dir;    // write each rank's Chrome trace of step `trace_step` here
   int trace_step = 2;
+  std::string mixed_precision = "none";  // or bf16 / fp16: param and reduce dtype
+  bool sync_module_states = false;
 };
 
 // One JSON line per write() on an O_APPEND descriptor: ranks can share the file.
@@ -164,6 +167,15 @@ int train(const Config& c) {
   opts.forward_prefetch = c.forward_prefetch;
   opts.prefetch_count = c.prefetch_count;
   opts.limit_all_gathers = c.limit_all_gathers;
+  opts.sync_module_states = c.sync_module_states;
+  if (c.mixed_precision != "none") {
+    const auto dtype = fsdp::parse_dtype(c.mixed_precision);
+    opts.mixed_precision = fsdp::MixedPrecision{dtype, dtype, dtype, false};
+  }
+  if (c.local && c.mixed_precision != "none") throw std::invalid_argument("--mixed-precision needs fsdp; drop --local");
+  // fp16's narrow range needs loss scaling; bf16 has fp32's range and does not.
+  std::optional<fsdp::ShardedGradScaler> scaler;
+  if (c.mixed_precision == "fp16") scaler.emplace(mesh);
   std::optional<fsdp::FullyShardedDataParallel<models::GPTImpl>> fsdp_model;
   if (!c.local) fsdp_model.emplace(model, mesh, opts);
 
@@ -206,14 +218,20 @@ int train(const Config& c) {
     }
     optim.zero_grad();
     auto loss = models::lm_loss(fsdp_model ? fsdp_model->forward(x) : model->forward(x), y);
-    loss.backward();
+    if (scaler) scaler->scale(loss).backward(); else loss.backward();
+    if (scaler) scaler->unscale_(optim);
     if (c.clip > 0) {
       if (fsdp_model) fsdp_model->clip_grad_norm_(c.clip);
       else torch::nn::utils::clip_grad_norm_(unique_params, c.clip);
     }
-    optim.step();
+    if (scaler) {
+      if (!scaler->step(optim) && rank == 0) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
+      scaler->update();
+    } else {
+      optim.step();
+    }
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
-    std::vector<at::Tensor> l{loss.detach().reshape({1}).to(torch::kCPU).clone()};
+    std::vector<at::Tensor> l{loss.detach().reshape({1}).to(torch::kCPU, torch::kFloat).clone()};
     mesh->world()->allreduce(l)->wait();
     const double global_loss = l[0].item<double>() / W;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -292,6 +310,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--trace", c.trace_dir, "write each rank's Chrome trace (trace-rank<r>.json) of one step to this folder");
   app.add_option("--trace-step", c.trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::NonNegativeNumber);
+  app.add_option("--mixed-precision", c.mixed_precision, "none, bf16 or fp16 (fp16 adds the sharded gradient scaler)")
+      ->check(CLI::IsMember({"none", "bf16", "fp16"}));
+  app.add_flag("--sync-module-states", c.sync_module_states, "broadcast rank 0's initial weights to every rank");
   app.add_flag("--local", c.local, "baseline: plain libtorch training in one process, without fsdp");
   app.add_option("--export-init", c.export_init,
                  "write the initial weights, every step's batch and the settings to this folder, then exit");

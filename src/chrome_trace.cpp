@@ -59,6 +59,7 @@ void write_chrome_trace(const std::string& path, const std::vector<Span>& spans,
       args["issued_at_us"] = us(s.begin_ns);
       args["queued_us"] = us(s.start_ns) - us(s.begin_ns);
       args["bytes"] = s.bytes;
+      args["dtype"] = s.dtype;
       events.push_back({{"ph", "i"}, {"s", "t"}, {"pid", rank}, {"tid", 1}, {"ts", us(s.begin_ns)},
                         {"name", "issue " + to_string(s.kind) + " " + unit_name(s.unit)}});
     } else {

@@ -57,8 +57,20 @@ FlatParamHandle::FlatParamHandle(std::string name, std::vector<std::string> fqns
   } else {
     shard_ = full_.narrow(0, config_.shard_rank * layout_.shard_numel(), layout_.shard_numel()).clone();
     for (const auto& s : slices_) sharded_views_.push_back(shard_.narrow(0, s.shard_offset, s.length));
-    resize_unsharded(false);
   }
+  // Mixed precision applies to floating-point units; the unsharded buffer is then in param_dtype.
+  const auto& mp = config_.mixed_precision;
+  const bool cast = mp && at::isFloatingType(params_[0].scalar_type()) && mp->param_dtype != params_[0].scalar_type();
+  compute_dtype_ = cast ? mp->param_dtype : params_[0].scalar_type();
+  reduce_dtype_ = mp && at::isFloatingType(params_[0].scalar_type()) ? mp->reduce_dtype : params_[0].scalar_type();
+  compute_element_size_ = static_cast<int64_t>(c10::elementSize(compute_dtype_));
+  separate_buffer_ = config_.shard_size > 1 || cast;
+  if (cast) {
+    full_ = at::empty({layout_.padded_numel()}, options.dtype(compute_dtype_));
+    full_views_.clear();
+    for (const auto& e : layout_.entries()) full_views_.push_back(full_.narrow(0, e.offset, e.numel).view(e.shape));
+  }
+  if (separate_buffer_) resize_unsharded(false);
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
   grads_.resize(params_.size());
   no_sync_got_.assign(params_.size(), false);
@@ -67,7 +79,7 @@ FlatParamHandle::FlatParamHandle(std::string name, std::vector<std::string> fqns
 FlatParamHandle::~FlatParamHandle() = default;
 
 void FlatParamHandle::resize_unsharded(bool allocate) {
-  resize_storage(full_, allocate ? static_cast<size_t>(layout_.padded_numel() * element_size_) : 0);
+  resize_storage(full_, allocate ? static_cast<size_t>(layout_.padded_numel() * compute_element_size_) : 0);
 }
 
 int64_t FlatParamHandle::wait(const WorkPtr& work, SpanKind kind, size_t span, const char* what, bool backward_pass) {
@@ -85,17 +97,29 @@ int64_t FlatParamHandle::wait(const WorkPtr& work, SpanKind kind, size_t span, c
 
 WorkPtr FlatParamHandle::begin_unshard(bool backward_pass) {
   if (state_ != HandleState::SHARDED) return nullptr;
+  if (!separate_buffer_) {
+    state_ = HandleState::UNSHARDED;
+    return nullptr;
+  }
+  at::NoGradGuard no_grad;
   if (config_.shard_size == 1) {
+    // Replication with mixed precision: the "gather" is the cast, on the compute stream.
+    resize_unsharded(true);
+    full_.copy_(shard_);
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
     state_ = HandleState::UNSHARDED;
     return nullptr;
   }
   CommStreams::Issue on_stream(*config_.streams, CommKind::ALL_GATHER);
   // Allocated on the all-gather stream (on CUDA): the block is reused in that stream's order.
   resize_unsharded(true);
+  // Mixed precision: cast once per unit, before the all-gather, which then moves param_dtype bytes.
+  shard_cast_ = compute_dtype_ == shard_.scalar_type() ? shard_ : shard_.to(compute_dtype_);
   const int64_t before = comm_->all_gather;
-  gather_work_ = all_gather_into(config_.shard_group, full_, shard_, *comm_);
+  gather_work_ = all_gather_into(config_.shard_group, full_, shard_cast_, *comm_);
   gather_span_ = config_.timeline->collective(SpanKind::ALL_GATHER, index_, backward_pass, config_.shard_group.get(),
-                                              comm_->all_gather - before, gather_work_, !config_.streams->active());
+                                              comm_->all_gather - before, gather_work_, !config_.streams->active(),
+                                              compute_dtype_);
   gather_backward_ = backward_pass;
   state_ = HandleState::GATHERING;
   return gather_work_;
@@ -105,6 +129,7 @@ int64_t FlatParamHandle::finish_unshard() {
   if (state_ != HandleState::GATHERING) return 0;
   const int64_t blocked = wait(gather_work_, SpanKind::ALL_GATHER, gather_span_, "all-gather of parameters", gather_backward_);
   gather_work_.reset();
+  shard_cast_ = at::Tensor();
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
   state_ = HandleState::UNSHARDED;
   return blocked;
@@ -113,7 +138,7 @@ int64_t FlatParamHandle::finish_unshard() {
 void FlatParamHandle::reshard() {
   if (state_ == HandleState::GATHERING) finish_unshard();
   if (state_ == HandleState::SHARDED) return;
-  if (config_.shard_size > 1) {
+  if (separate_buffer_) {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
     resize_unsharded(false);
   }
@@ -143,7 +168,7 @@ void FlatParamHandle::begin_reduce(bool no_sync, bool backward_pass) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor g = params_[i].grad();
     if (!g.defined()) continue;
-    if (!flat.defined()) flat = at::zeros({layout_.padded_numel()}, full_.options());
+    if (!flat.defined()) flat = at::zeros({layout_.padded_numel()}, shard_.options().dtype(reduce_dtype_));
     const auto& e = layout_.entries()[i];
     flat.narrow(0, e.offset, e.numel).copy_(g.reshape(-1));
     params_[i].mutable_grad().reset();
@@ -167,18 +192,22 @@ void FlatParamHandle::begin_reduce(bool no_sync, bool backward_pass) {
   }
   if (!any) return;
 
+  // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
+  // the mean over ranks. In low precision divide before summing, so the sum cannot overflow
+  // (fp16); in full precision after, as local training would round.
+  if (low_precision_reduce()) flat.div_(config_.world_size);
   PendingReduction r;
   r.input = flat;
   r.got = std::move(got);
   r.backward_pass = backward_pass;
   if (config_.shard_size > 1) {
     CommStreams::Issue on_stream(*config_.streams, CommKind::REDUCE_SCATTER);
-    r.output = at::empty({layout_.shard_numel()}, full_.options());
+    r.output = at::empty({layout_.shard_numel()}, flat.options());
     const int64_t before = comm_->reduce_scatter;
     r.reduce_scatter = reduce_scatter_sum(config_.shard_group, r.output, r.input, *comm_);
     r.rs_span = config_.timeline->collective(SpanKind::REDUCE_SCATTER, index_, backward_pass,
                                              config_.shard_group.get(), comm_->reduce_scatter - before,
-                                             r.reduce_scatter, !config_.streams->active());
+                                             r.reduce_scatter, !config_.streams->active(), reduce_dtype_);
   } else {
     r.output = r.input;
   }
@@ -196,7 +225,7 @@ void FlatParamHandle::issue_all_reduce(PendingReduction& r) {
   r.all_reduce = all_reduce_sum(config_.replicate_group, r.output, *comm_);
   r.ar_span = config_.timeline->collective(SpanKind::ALL_REDUCE, index_, r.backward_pass,
                                            config_.replicate_group.get(), comm_->all_reduce - before, r.all_reduce,
-                                           !config_.streams->active());
+                                           !config_.streams->active(), reduce_dtype_);
 }
 
 bool FlatParamHandle::advance_reduce() {
@@ -216,13 +245,16 @@ int64_t FlatParamHandle::finish_reduce() {
   issue_all_reduce(r);
   blocked += wait(r.all_reduce, SpanKind::ALL_REDUCE, r.ar_span, "all-reduce of gradient shards", r.backward_pass);
   at::Tensor reduced = r.output;
-  // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
-  // the mean over ranks.
-  reduced.div_(config_.world_size);
+  if (low_precision_reduce()) {
+    reduced = reduced.to(shard_.scalar_type());  // back into the sharded gradient's dtype
+  } else {
+    reduced.div_(config_.world_size);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     const ShardSlice& s = slices_[i];
     if (grads_[i].defined()) reduced.narrow(0, s.shard_offset, s.length).add_(grads_[i].reshape(-1));
   }
+  if (config_.mixed_precision && config_.mixed_precision->keep_low_precision_grads) reduced = reduced.to(compute_dtype_);
   grad_shard_ = reduced;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!r.got[i] && !grads_[i].defined()) continue;  // unused everywhere so far: stays None, as locally
@@ -248,17 +280,17 @@ int64_t FlatParamHandle::sharded_grad_bytes() const {
   for (const auto& p : params_) {
     const auto& g = p.grad();
     if (g.defined() && g.storage().unsafeGetStorageImpl() == grad_shard_.storage().unsafeGetStorageImpl())
-      return layout_.shard_numel() * element_size_;
+      return layout_.shard_numel() * static_cast<int64_t>(grad_shard_.element_size());
   }
   return 0;
 }
 
 int64_t FlatParamHandle::unsharded_bytes() const {
-  return config_.shard_size > 1 ? static_cast<int64_t>(full_.storage().nbytes()) : 0;
+  return separate_buffer_ ? static_cast<int64_t>(full_.storage().nbytes()) : 0;
 }
 
 int64_t FlatParamHandle::unsharded_grad_bytes() const {
-  return no_sync_accum_.defined() ? no_sync_accum_.numel() * element_size_ : 0;
+  return no_sync_accum_.defined() ? no_sync_accum_.numel() * static_cast<int64_t>(no_sync_accum_.element_size()) : 0;
 }
 
 }  // namespace fsdp

@@ -33,6 +33,7 @@
 #include "collectives.h"
 #include "comm_streams.h"
 #include "flat_param.h"
+#include "fsdp/options.h"
 #include "timeline.h"
 
 namespace fsdp {
@@ -46,6 +47,7 @@ struct HandleConfig {
   GroupPtr shard_group;     // F ranks
   GroupPtr replicate_group; // W / F ranks
   const CommStreams* streams = nullptr;  // where collectives are issued (inactive on CPU)
+  std::optional<MixedPrecision> mixed_precision;
   Timeline* timeline = nullptr;          // records each collective and each blocking wait
 };
 
@@ -66,6 +68,9 @@ class FlatParamHandle {
   // Storage identity, for recognising this unit's tensors among an operator's inputs.
   const c10::StorageImpl* shard_storage() const { return shard_.storage().unsafeGetStorageImpl(); }
   const c10::StorageImpl* unsharded_storage() const { return full_.storage().unsafeGetStorageImpl(); }
+  // Whether unsharding uses a separate buffer: sharding (F > 1) or a cast (mixed precision).
+  bool has_unsharded_buffer() const { return separate_buffer_; }
+  c10::ScalarType compute_dtype() const { return compute_dtype_; }
 
   // SHARDED -> GATHERING: regrow the buffer and issue the all-gather into it. Returns the work
   // (null with F = 1, where the handle goes straight to UNSHARDED: nothing to gather).
@@ -100,10 +105,11 @@ class FlatParamHandle {
   int64_t sharded_grad_bytes() const;
   int64_t unsharded_bytes() const;        // unsharded parameter buffer allocated now (F > 1)
   int64_t unsharded_grad_bytes() const;   // no_sync accumulator allocated now
-  int64_t unsharded_capacity_bytes() const { return layout_.padded_numel() * element_size_; }
+  int64_t unsharded_capacity_bytes() const { return layout_.padded_numel() * compute_element_size_; }
 
  private:
   void resize_unsharded(bool allocate);
+  bool low_precision_reduce() const { return reduce_dtype_ != shard_.scalar_type(); }
   int64_t wait(const WorkPtr& work, SpanKind kind, size_t span, const char* what, bool backward_pass);
 
   // A reduction in flight: the buffers it reads and writes live here until it is waited for.
@@ -124,10 +130,15 @@ class FlatParamHandle {
   CommBytes* comm_;
   int index_;  // this unit's index, for the timeline
   HandleState state_ = HandleState::SHARDED;
-  int64_t element_size_ = 4;
+  int64_t element_size_ = 4;          // the sharded parameters' (the optimizer's) dtype
+  c10::ScalarType compute_dtype_;      // what forward and backward run in (param_dtype)
+  int64_t compute_element_size_ = 4;
+  c10::ScalarType reduce_dtype_;       // what gradients are reduced in
+  bool separate_buffer_ = false;
+  at::Tensor shard_cast_;              // the shard cast to compute_dtype while its all-gather runs
 
   at::Tensor shard_;                      // [shard_numel], this rank's part of the flat parameter
-  at::Tensor full_;                       // [padded_numel], 0-byte storage while SHARDED (F > 1)
+  at::Tensor full_;                       // [padded_numel] in compute_dtype_, 0-byte storage while SHARDED
   std::vector<at::Tensor> sharded_views_; // per parameter, into shard_
   std::vector<at::Tensor> full_views_;    // per parameter, into full_, original shapes
   std::vector<ShardSlice> slices_;        // this rank's slice of each parameter

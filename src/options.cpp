@@ -41,6 +41,22 @@ std::string to_string(BackwardPrefetch mode) {
   return "?";
 }
 
+c10::ScalarType parse_dtype(const std::string& name) {
+  if (name == "fp32" || name == "float32") return c10::kFloat;
+  if (name == "bf16" || name == "bfloat16") return c10::kBFloat16;
+  if (name == "fp16" || name == "float16") return c10::kHalf;
+  throw std::invalid_argument("unknown dtype '" + name + "'; use fp32, bf16 or fp16");
+}
+
+std::string dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat: return "fp32";
+    case c10::kBFloat16: return "bf16";
+    case c10::kHalf: return "fp16";
+    default: return c10::toString(dtype);
+  }
+}
+
 WrapPolicy size_based_policy(int64_t min_numel) {
   return [min_numel](const std::string&, const torch::nn::Module&, int64_t unclaimed) {
     return unclaimed >= min_numel;

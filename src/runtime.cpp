@@ -3,6 +3,7 @@
 #include "device.h"
 
 #include <cmath>
+#include <set>
 #include <sstream>
 
 #include <c10/core/GradMode.h>
@@ -61,6 +62,10 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   // different buffers (or hang): compare a fingerprint before the first collective on parameters.
   std::ostringstream desc;
   desc << "strategy " << to_string(options_.strategy) << " F=" << shard_size_ << "\n";
+  if (const auto& mp = options_.mixed_precision) {
+    desc << "mixed precision param " << dtype_name(mp->param_dtype) << " reduce " << dtype_name(mp->reduce_dtype)
+         << " buffer " << dtype_name(mp->buffer_dtype) << " keep_low_precision_grads " << mp->keep_low_precision_grads << "\n";
+  }
   for (const auto& item : root_->named_parameters(true)) {
     desc << "param " << item.key() << " " << item.value().sizes() << " " << item.value().dtype()
          << " requires_grad=" << item.value().requires_grad() << "\n";
@@ -90,6 +95,15 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   cfg.shard_group = groups.shard;
   cfg.replicate_group = groups.replicate;
   cfg.streams = streams_.get();
+  cfg.mixed_precision = options_.mixed_precision;
+  if (options_.sync_module_states) broadcast_module_states();
+  if (const auto& mp = options_.mixed_precision) {
+    // Buffers are not sharded: cast them once, here, instead of at every forward.
+    at::NoGradGuard no_grad;
+    for (auto& b : root_->buffers(true)) {
+      if (b.defined() && at::isFloatingType(b.scalar_type())) b.set_data(b.to(mp->buffer_dtype));
+    }
+  }
   cfg.timeline = &timeline_;
   shard_group_ = groups.shard;
   for (size_t u = 0; u < plans_.size(); ++u) {
@@ -97,7 +111,7 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
                                                          plans_[u].fqns, plans_[u].params, cfg, &comm_,
                                                          static_cast<int>(u)));
     touch::register_storage(this, u, handles_[u]->shard_storage());
-    if (shard_size_ > 1) touch::register_storage(this, u, handles_[u]->unsharded_storage());
+    if (handles_[u]->has_unsharded_buffer()) touch::register_storage(this, u, handles_[u]->unsharded_storage());
     for (size_t i = 0; i < plans_[u].params.size(); ++i) {
       param_index_.emplace(plans_[u].params[i].unsafeGetTensorImpl(), std::make_pair(u, i));
     }
@@ -112,6 +126,29 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   backward_started_.assign(handles_.size(), false);
   backward_done_.assign(handles_.size(), false);
   for (const auto& h : handles_) memory_.sharded_params += h->sharded_param_bytes();
+}
+
+void Runtime::broadcast_module_states() {
+  // Rank 0's values win; parameters and buffers in registration order, which the fingerprint
+  // above has already shown to be the same on every rank. One group of all W ranks on the
+  // parameters' device (Gloo for CPU, NCCL for CUDA).
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> tensors;
+  std::set<const c10::TensorImpl*> seen;  // a tied weight once
+  for (const auto& p : root_->parameters(true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) tensors.push_back(p.detach());
+  }
+  for (const auto& b : root_->buffers(true)) {
+    if (b.defined()) tensors.push_back(b.detach());
+  }
+  if (tensors.empty() || mesh_->world_size() == 1) return;
+  const GroupPtr& group = mesh_->groups(mesh_->world_size(), device_.type()).shard;
+  for (auto& t : tensors) {
+    std::vector<at::Tensor> one{t};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = 0;
+    wait_for(group->broadcast(one, opts), "broadcast of rank 0's parameters and buffers (sync_module_states)");
+  }
 }
 
 void Runtime::install_hooks() {
@@ -429,7 +466,7 @@ double Runtime::clip_grad_norm(double max_norm) {
     const int64_t before = comm_.all_reduce;
     WorkPtr work = all_reduce_sum(shard_group_, sumsq, comm_);
     const size_t span = timeline_.collective(SpanKind::ALL_REDUCE, -1, false, shard_group_.get(),
-                                             comm_.all_reduce - before, work, !streams_->active());
+                                             comm_.all_reduce - before, work, !streams_->active(), sumsq.scalar_type());
     const int64_t t0 = Timeline::now_ns();
     wait_for(work, "all-reduce of the gradient norm");
     timeline_.completed(span);
@@ -478,6 +515,10 @@ void set_no_sync(Runtime& rt, bool on) { rt.set_no_sync(on); }
 double clip_grad_norm(Runtime& rt, double max_norm) { return rt.clip_grad_norm(max_norm); }
 std::vector<UnitInfo> units(const Runtime& rt) { return rt.units(); }
 std::vector<Span> timeline(const Runtime& rt) { return rt.timeline(); }
+std::optional<c10::ScalarType> input_dtype(const Runtime& rt) {
+  if (!rt.options().mixed_precision) return std::nullopt;
+  return rt.options().mixed_precision->param_dtype;
+}
 void write_trace(const Runtime& rt, const std::string& path) { rt.write_trace(path); }
 int shard_size(const Runtime& rt) { return rt.shard_size(); }
 }  // namespace detail

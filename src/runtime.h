@@ -61,9 +61,11 @@ class Runtime : public TouchSink, public std::enable_shared_from_this<Runtime> {
   int shard_size() const { return shard_size_; }
   Phase phase() const { return phase_; }
   std::vector<Span> timeline() const { return timeline_.spans(); }
+  const Options& options() const { return options_; }
   void write_trace(const std::string& path) const;
 
  private:
+  void broadcast_module_states();
   void finish_backward();
   void end_iteration();
   // Issue unit's all-gather if it is sharded (through the rate limiter).

@@ -5,6 +5,8 @@
 #include <map>
 #include <queue>
 
+#include "fsdp/options.h"
+
 namespace fsdp {
 
 std::string to_string(SpanKind kind) {
@@ -68,13 +70,14 @@ void Timeline::add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns
 }
 
 size_t Timeline::collective(SpanKind kind, int unit, bool backward_pass, const void* group, int64_t bytes,
-                            const WorkPtr& work, bool stamp_completion) {
+                            const WorkPtr& work, bool stamp_completion, c10::ScalarType dtype) {
   const size_t index = begin(kind, unit, backward_pass);
   int64_t generation;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (index >= state_->spans.size()) return index;
     state_->spans[index].bytes = bytes;
+    state_->spans[index].dtype = dtype_name(dtype);
     state_->groups[index] = group;
     generation = state_->generation;
   }

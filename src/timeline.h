@@ -31,7 +31,7 @@ class Timeline {
   // future when the data is there; a CUDA future completes on enqueue, so CUDA passes false and
   // the wait stamps it instead).
   size_t collective(SpanKind kind, int unit, bool backward_pass, const void* group, int64_t bytes,
-                    const WorkPtr& work, bool stamp_completion);
+                    const WorkPtr& work, bool stamp_completion, c10::ScalarType dtype);
   // The compute thread saw the collective finish (after waiting for it).
   void completed(size_t span);
 

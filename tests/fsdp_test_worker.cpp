@@ -14,6 +14,16 @@
 //   fsdp-test-worker dynamic [prefetch flags] --out PREFIX
 //       Trains a stack whose blocks run in a different order (and not all of them) every step,
 //       against local training of the same model; writes max |Δparam| and max |Δloss|.
+//   fsdp-test-worker precision --param-dtype bf16|fp16 [--reduce-dtype D] --out PREFIX
+//       Three SGD steps of the tiny GPT in mixed precision against a local reference that replays
+//       the same casts (per-rank forward/backward in param_dtype, gradients cast to reduce_dtype,
+//       divided by W, summed, cast to fp32); also the dtypes handed to each collective and the
+//       bytes moved against an fp32 run.
+//   fsdp-test-worker scaler --inf-rank R --out PREFIX
+//       fp16 training with the ShardedGradScaler; rank R's gradient gets an inf at step 2.
+//   fsdp-test-worker sync --sync-module-states 0|1 --out PREFIX
+//       Each rank builds the model from its own seed; trains against a local reference built
+//       from rank 0's seed.
 // --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
@@ -24,6 +34,7 @@
 #include <torch/torch.h>
 
 #include "fsdp/fsdp.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/launch.h"
 #include "models/data.h"
 #include "models/gpt.h"
@@ -42,6 +53,8 @@ struct Args {
   std::string backward_prefetch = "backward_pre";
   int forward_prefetch = 0, prefetch_count = 1, limit_all_gathers = 2;
   std::string device = "cpu";
+  std::string param_dtype = "bf16", reduce_dtype;
+  int inf_rank = -1, sync_module_states = 1;
 };
 
 // Where parity models and batches live (--device).
@@ -62,6 +75,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--prefetch-count") a.prefetch_count = std::stoi(v);
     else if (k == "--limit-all-gathers") a.limit_all_gathers = std::stoi(v);
     else if (k == "--device") a.device = v;
+    else if (k == "--param-dtype") a.param_dtype = v;
+    else if (k == "--reduce-dtype") a.reduce_dtype = v;
+    else if (k == "--inf-rank") a.inf_rank = std::stoi(v);
+    else if (k == "--sync-module-states") a.sync_module_states = std::stoi(v);
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;
@@ -318,6 +335,175 @@ json run_dynamic(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts) {
   return json{{"max_param_diff", max_param_diff}, {"max_loss_diff", max_loss_diff}};
 }
 
+// Max |mine - ref| over this rank's shard of every parameter (both models built the same way).
+double max_shard_diff(fsdp::FullyShardedDataParallel<models::GPTImpl>& sharded, models::GPT& mine, models::GPT& ref,
+                      int rank) {
+  auto ref_named = ref->named_parameters();
+  auto my_named = mine->named_parameters();
+  double diff = 0;
+  for (const auto& unit : sharded.units()) {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& f : unit.fqns) shapes.push_back(ref_named[f].sizes().vec());
+    fsdp::FlatParamLayout layout(unit.fqns, shapes, sharded.shard_size());
+    for (size_t i = 0; i < unit.fqns.size(); ++i) {
+      auto sl = layout.slice(i, rank % sharded.shard_size());
+      auto m = my_named[unit.fqns[i]].detach().reshape(-1).to(torch::kFloat);
+      auto r = ref_named[unit.fqns[i]].detach().reshape(-1).narrow(0, sl.param_begin, sl.length).to(torch::kFloat);
+      if (sl.length > 0) diff = std::max(diff, (m - r).abs().max().item<double>());
+    }
+  }
+  return diff;
+}
+
+json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const Args& a) {
+  const int W = mesh->world_size(), rank = mesh->rank();
+  const int64_t per = kGlobalBatch / W;
+  const auto pd = fsdp::parse_dtype(a.param_dtype);
+  const auto rd = fsdp::parse_dtype(a.reduce_dtype.empty() ? a.param_dtype : a.reduce_dtype);
+  const auto cfg = models::GPTConfig::preset("tiny");
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  const double lr = 0.05;
+
+  // Bytes of one fp32 step, for comparison.
+  fsdp::CommBytes fp32_bytes;
+  {
+    torch::manual_seed(0);
+    models::GPT m(cfg);
+    fsdp::FullyShardedDataParallel s(m, mesh, opts);
+    s.reset_step();
+    gpt_loss([&](const torch::Tensor& x) { return s.forward(x); }, 0, rank * per, rank * per + per).backward();
+    fp32_bytes = s.metrics().comm;
+  }
+
+  opts.mixed_precision = fsdp::MixedPrecision{pd, rd, pd, false};
+  torch::manual_seed(0);
+  models::GPT mine(cfg);
+  torch::manual_seed(0);
+  models::GPT ref(cfg);   // the fp32 master copy of the reference
+  torch::manual_seed(0);
+  models::GPT work(cfg);  // the reference's low-precision working copy
+  fsdp::FullyShardedDataParallel sharded(mine, mesh, opts);
+  // Unique parameters: libtorch's parameters() lists the tied weight twice, and SGD would step it twice.
+  std::vector<torch::Tensor> my_unique;
+  for (auto& kv : unique_params(*mine)) my_unique.push_back(kv.second);
+  torch::optim::SGD opt(my_unique, torch::optim::SGDOptions(lr));
+  auto ref_params = unique_params(*ref);
+  auto work_params = unique_params(*work);
+
+  std::set<std::string> ag_dtypes, rs_dtypes;
+  std::string logits_dtype;
+  fsdp::CommBytes mp_bytes;
+  for (int step = 0; step < 3; ++step) {
+    sharded.reset_step();
+    opt.zero_grad();
+    auto loss = gpt_loss([&](const torch::Tensor& x) {
+      auto logits = sharded.forward(x);
+      logits_dtype = fsdp::dtype_name(logits.scalar_type());
+      return logits;
+    }, step, rank * per, rank * per + per);
+    loss.backward();
+    opt.step();
+    if (step == 0) mp_bytes = sharded.metrics().comm;
+    for (const auto& sp : sharded.timeline()) {
+      if (sp.kind == fsdp::SpanKind::ALL_GATHER) ag_dtypes.insert(sp.dtype);
+      if (sp.kind == fsdp::SpanKind::REDUCE_SCATTER) rs_dtypes.insert(sp.dtype);
+    }
+
+    // The reference: every rank's slice in the working dtype, gradients reduced as fsdp does.
+    torch::NoGradGuard outer;
+    std::vector<torch::Tensor> sum(ref_params.size());
+    for (int r = 0; r < W; ++r) {
+      for (size_t i = 0; i < ref_params.size(); ++i) {
+        work_params[i].second.set_data(ref_params[i].second.detach().to(pd));
+        work_params[i].second.mutable_grad().reset();
+      }
+      {
+        torch::AutoGradMode grad_on(true);
+        gpt_loss([&](const torch::Tensor& x) { return work->forward(x); }, step, r * per, r * per + per).backward();
+      }
+      for (size_t i = 0; i < ref_params.size(); ++i) {
+        auto g = work_params[i].second.grad();
+        if (!g.defined()) continue;
+        auto part = g.to(rd) / W;
+        sum[i] = sum[i].defined() ? sum[i] + part : part;
+      }
+    }
+    for (size_t i = 0; i < ref_params.size(); ++i) {
+      if (sum[i].defined()) ref_params[i].second.add_(sum[i].to(torch::kFloat), -lr);
+    }
+  }
+  return json{{"max_param_diff", max_shard_diff(sharded, mine, ref, rank)},
+              {"logits_dtype", logits_dtype},
+              {"all_gather_dtypes", ag_dtypes}, {"reduce_scatter_dtypes", rs_dtypes},
+              {"fp32_all_gather_bytes", fp32_bytes.all_gather}, {"fp32_reduce_scatter_bytes", fp32_bytes.reduce_scatter},
+              {"all_gather_bytes", mp_bytes.all_gather}, {"reduce_scatter_bytes", mp_bytes.reduce_scatter}};
+}
+
+json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const Args& a) {
+  const int W = mesh->world_size(), rank = mesh->rank();
+  const int64_t per = kGlobalBatch / W;
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  opts.mixed_precision = fsdp::MixedPrecision{torch::kHalf, torch::kHalf, torch::kHalf, false};
+  torch::manual_seed(0);
+  models::GPT mine(models::GPTConfig::preset("tiny"));
+  fsdp::FullyShardedDataParallel sharded(mine, mesh, opts);
+  torch::optim::SGD opt(mine->parameters(), torch::optim::SGDOptions(0.05));
+  fsdp::GradScalerOptions so;
+  so.init_scale = 1024;
+  so.growth_interval = 2;
+  fsdp::ShardedGradScaler scaler(mesh, so);
+  json steps = json::array();
+  for (int step = 0; step < 5; ++step) {
+    opt.zero_grad();
+    auto loss = gpt_loss([&](const torch::Tensor& x) { return sharded.forward(x); }, step, rank * per, rank * per + per);
+    scaler.scale(loss).backward();
+    if (step == 2 && rank == a.inf_rank) {
+      // An overflow on this rank only: one element of its first sharded gradient.
+      for (auto& p : mine->parameters()) {
+        if (p.grad().defined() && p.grad().numel() > 0) {
+          p.mutable_grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+          break;
+        }
+      }
+    }
+    double before = 0;
+    for (auto& p : mine->parameters()) before += p.detach().to(torch::kDouble).sum().item<double>();
+    const double scale_before = scaler.get_scale();
+    const bool stepped = scaler.step(opt);
+    scaler.update();
+    double after = 0;
+    for (auto& p : mine->parameters()) after += p.detach().to(torch::kDouble).sum().item<double>();
+    steps.push_back(json{{"stepped", stepped}, {"scale_before", scale_before}, {"scale_after", scaler.get_scale()},
+                         {"params_changed", before != after}, {"loss", loss.item<double>()}});
+  }
+  return json{{"steps", steps}};
+}
+
+json run_sync(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const Args& a) {
+  const int W = mesh->world_size(), rank = mesh->rank();
+  const int64_t per = kGlobalBatch / W;
+  const auto cfg = models::GPTConfig::preset("tiny");
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  opts.sync_module_states = a.sync_module_states != 0;
+  torch::manual_seed(100 + rank);  // every rank a different initialization
+  models::GPT mine(cfg);
+  torch::manual_seed(100);  // rank 0's
+  models::GPT ref(cfg);
+  fsdp::FullyShardedDataParallel sharded(mine, mesh, opts);
+  torch::optim::SGD opt(mine->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  const double initial = max_shard_diff(sharded, mine, ref, rank);
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    gpt_loss([&](const torch::Tensor& x) { return sharded.forward(x); }, step, rank * per, rank * per + per).backward();
+    opt.step();
+    gpt_loss([&](const torch::Tensor& x) { return ref->forward(x); }, step, 0, kGlobalBatch).backward();
+    ref_opt.step();
+  }
+  return json{{"initial_diff", initial}, {"max_param_diff", max_shard_diff(sharded, mine, ref, rank)}};
+}
+
 json run_overlap(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts) {
   const int W = mesh->world_size(), rank = mesh->rank();
   const int64_t per = kGlobalBatch / W;
@@ -413,6 +599,18 @@ int run(const Args& a) {
   }
   if (a.mode == "overlap") {
     write(a, rank, run_overlap(mesh, options_from(a)));
+    return 0;
+  }
+  if (a.mode == "precision") {
+    write(a, rank, run_precision(mesh, options_from(a), a));
+    return 0;
+  }
+  if (a.mode == "scaler") {
+    write(a, rank, run_scaler(mesh, options_from(a), a));
+    return 0;
+  }
+  if (a.mode == "sync") {
+    write(a, rank, run_sync(mesh, options_from(a), a));
     return 0;
   }
   if (a.mode == "dynamic") {

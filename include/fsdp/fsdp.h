@@ -13,6 +13,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -59,6 +60,20 @@ double clip_grad_norm(Runtime& rt, double max_norm);
 std::vector<UnitInfo> units(const Runtime& rt);
 int shard_size(const Runtime& rt);
 std::vector<Span> timeline(const Runtime& rt);
+// Mixed precision's param_dtype, which floating-point forward inputs are cast to.
+std::optional<c10::ScalarType> input_dtype(const Runtime& rt);
+
+template <typename T>
+decltype(auto) cast_input(const std::optional<c10::ScalarType>& dtype, T&& arg) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    if (dtype && arg.defined() && at::isFloatingType(arg.scalar_type()) && arg.scalar_type() != *dtype) {
+      return at::Tensor(arg.to(*dtype));
+    }
+    return at::Tensor(std::forward<T>(arg));
+  } else {
+    return std::forward<T>(arg);
+  }
+}
 void write_trace(const Runtime& rt, const std::string& path);
 
 inline void collect(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
@@ -92,7 +107,9 @@ class FullyShardedDataParallel {
   decltype(auto) forward(Args&&... args) {
     detail::begin_forward(*runtime_);
     try {
-      decltype(auto) out = module_->forward(std::forward<Args>(args)...);
+      // With mixed precision, floating-point inputs are cast to param_dtype (as PyTorch does).
+      const auto dtype = detail::input_dtype(*runtime_);
+      decltype(auto) out = module_->forward(detail::cast_input(dtype, std::forward<Args>(args))...);
       std::vector<at::Tensor> tensors;
       detail::collect(out, tensors);
       detail::end_forward(*runtime_, tensors, true);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include <torch/nn/module.h>
@@ -35,6 +36,23 @@ enum class BackwardPrefetch {
 // "none", "backward_pre", "backward_post".
 BackwardPrefetch parse_backward_prefetch(const std::string& name);
 std::string to_string(BackwardPrefetch mode);
+
+// Native mixed precision (paper §4.4). The sharded parameters stay in their own (fp32) dtype and
+// are what the optimizer steps; each unit is cast once to param_dtype before its all-gather, so
+// the all-gather and the computation run in param_dtype; gradients are reduced in reduce_dtype and
+// cast back into the fp32 sharded gradients.
+struct MixedPrecision {
+  c10::ScalarType param_dtype = c10::kBFloat16;   // all-gather and compute
+  c10::ScalarType reduce_dtype = c10::kBFloat16;  // reduce-scatter and all-reduce of gradients
+  c10::ScalarType buffer_dtype = c10::kBFloat16;  // floating-point buffers, cast once at construction
+  // Hand the optimizer gradients in param_dtype instead of the parameters' dtype (saves memory;
+  // the optimizer then mixes dtypes).
+  bool keep_low_precision_grads = false;
+};
+
+// "fp32", "bf16", "fp16" -> the dtype (throws std::invalid_argument with the valid names).
+c10::ScalarType parse_dtype(const std::string& name);
+std::string dtype_name(c10::ScalarType dtype);
 
 // Decides whether a module becomes its own FSDP unit. Called bottom-up (children before parents)
 // with the module's fully qualified name and the number of parameter elements in its subtree
@@ -75,6 +93,12 @@ struct Options {
   // far the CPU can run ahead of the caching allocator); on CPU until the compute thread has
   // waited for it.
   int limit_all_gathers = 2;
+
+  // Mixed precision; unset: everything in the parameters' own dtype.
+  std::optional<MixedPrecision> mixed_precision;
+  // Broadcast rank 0's parameters and buffers at construction, so ranks that built the model with
+  // different seeds (or loaded different files) start equal.
+  bool sync_module_states = false;
 };
 
 }  // namespace fsdp

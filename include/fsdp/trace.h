@@ -32,6 +32,7 @@ struct Span {
   int64_t bytes = 0;           // collectives: ring-convention bytes
   int track = 0;               // collectives: which backend worker ran it (for the trace layout)
   SpanKind waited_for = SpanKind::WAIT;  // WAIT spans: the kind of collective waited for
+  std::string dtype;           // collectives: the dtype of the buffers handed to the backend
   bool is_collective() const {
     return kind == SpanKind::ALL_GATHER || kind == SpanKind::REDUCE_SCATTER || kind == SpanKind::ALL_REDUCE;
   }
