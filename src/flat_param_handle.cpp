@@ -5,6 +5,7 @@
 #include <c10/util/strides.h>
 
 #include "device.h"
+#include "fsdp/deferred_init.h"
 
 namespace fsdp {
 namespace {
@@ -32,7 +33,6 @@ FlatParamHandle::FlatParamHandle(std::string name, std::vector<std::string> fqns
       comm_(comm),
       index_(index) {
   TORCH_CHECK(!params_.empty(), "fsdp: unit '", name_, "' has no parameters");
-  const auto options = params_[0].options().requires_grad(false);
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK(params_[i].dtype() == params_[0].dtype() && params_[i].device() == params_[0].device(),
                 "fsdp: unit '", name_, "' mixes dtypes or devices (", fqns[0], " is ", params_[0].dtype(),
@@ -42,20 +42,36 @@ FlatParamHandle::FlatParamHandle(std::string name, std::vector<std::string> fqns
   element_size_ = static_cast<int64_t>(params_[0].element_size());
   at::NoGradGuard no_grad;
 
+  // Where the shard lives: the parameters' device, unless they are deferred (meta) or the caller
+  // streams them to another device. Then the unit is assembled on the CPU (staged), one unit at a
+  // time, and only its shard moves to the target.
+  const bool deferred = params_[0].is_meta();
+  const c10::Device target = config_.device.value_or(deferred ? c10::Device(c10::kCPU) : params_[0].device());
+  const bool staged = deferred || params_[0].device() != target;
+  const auto options = params_[0].options().requires_grad(false).device(staged ? c10::Device(c10::kCPU) : target);
+
   // Flatten, concatenate, right-pad (the padding is zero and stays zero: it never gets a gradient).
   full_ = at::zeros({layout_.padded_numel()}, options);
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries()[i];
-    full_.narrow(0, e.offset, e.numel).copy_(params_[i].detach().reshape(-1));
-    full_views_.push_back(full_.narrow(0, e.offset, e.numel).view(e.shape));
+    at::Tensor view = full_.narrow(0, e.offset, e.numel).view(e.shape);
+    if (deferred) {
+      // Replay the parameter's recorded initialization straight into the flat buffer, and make
+      // the parameter an ordinary tensor again (same TensorImpl) before it is pointed anywhere.
+      materialize_into(params_[i], view);
+      adopt(params_[i], view);
+    } else {
+      view.copy_(params_[i].detach());
+    }
+    full_views_.push_back(view);
   }
   slices_ = layout_.slices(config_.shard_rank);
   if (config_.shard_size == 1) {
     // Replication: the shard is the whole flat parameter and parameters keep their shapes.
-    shard_ = full_;
-    sharded_views_ = full_views_;
+    shard_ = staged ? full_.to(target) : full_;
+    for (const auto& e : layout_.entries()) sharded_views_.push_back(shard_.narrow(0, e.offset, e.numel).view(e.shape));
   } else {
-    shard_ = full_.narrow(0, config_.shard_rank * layout_.shard_numel(), layout_.shard_numel()).clone();
+    shard_ = full_.narrow(0, config_.shard_rank * layout_.shard_numel(), layout_.shard_numel()).to(target, /*non_blocking=*/false, /*copy=*/true);
     for (const auto& s : slices_) sharded_views_.push_back(shard_.narrow(0, s.shard_offset, s.length));
   }
   // Mixed precision applies to floating-point units; the unsharded buffer is then in param_dtype.
@@ -65,13 +81,22 @@ FlatParamHandle::FlatParamHandle(std::string name, std::vector<std::string> fqns
   reduce_dtype_ = mp && at::isFloatingType(params_[0].scalar_type()) ? mp->reduce_dtype : params_[0].scalar_type();
   compute_element_size_ = static_cast<int64_t>(c10::elementSize(compute_dtype_));
   separate_buffer_ = config_.shard_size > 1 || cast;
-  if (cast) {
-    full_ = at::empty({layout_.padded_numel()}, options.dtype(compute_dtype_));
+  // Parameters point at their shards first, so that the flattening buffer (which adopted deferred
+  // parameters still hold) is released before the next allocation: the peak stays at one unit
+  // plus the shards.
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
+  if (config_.shard_size == 1 && !cast) {
+    full_ = shard_;  // no separate buffer: the "unsharded" views are the shard's
+    full_views_ = sharded_views_;
+  } else if (cast || staged) {
+    // The unsharded buffer on the target device, in the compute dtype. Its views must be made
+    // while it has storage; it is emptied right after.
     full_views_.clear();
+    full_ = at::Tensor();
+    full_ = at::empty({layout_.padded_numel()}, options.device(target).dtype(compute_dtype_));
     for (const auto& e : layout_.entries()) full_views_.push_back(full_.narrow(0, e.offset, e.numel).view(e.shape));
   }
   if (separate_buffer_) resize_unsharded(false);
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
   grads_.resize(params_.size());
   no_sync_got_.assign(params_.size(), false);
 }

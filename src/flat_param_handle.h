@@ -48,6 +48,9 @@ struct HandleConfig {
   GroupPtr replicate_group; // W / F ranks
   const CommStreams* streams = nullptr;  // where collectives are issued (inactive on CPU)
   std::optional<MixedPrecision> mixed_precision;
+  // Where shards live; unset: the parameters' device (CPU for deferred parameters). Parameters on
+  // another device are assembled there one unit at a time and only the shard is moved.
+  std::optional<c10::Device> device;
   Timeline* timeline = nullptr;          // records each collective and each blocking wait
 };
 

@@ -1,6 +1,7 @@
 #include "runtime.h"
 
 #include "device.h"
+#include "fsdp/deferred_init.h"
 
 #include <cmath>
 #include <set>
@@ -81,7 +82,18 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   // Gloo for CPU parameters, NCCL for CUDA parameters.
   const c10::DeviceType device = plans_.empty() || plans_[0].params.empty() ? c10::DeviceType::CPU
                                                                           : plans_[0].params[0].device().type();
+  const bool deferred = !plans_.empty() && !plans_[0].params.empty() && plans_[0].params[0].is_meta();
   device_ = plans_.empty() || plans_[0].params.empty() ? c10::Device(c10::kCPU) : plans_[0].params[0].device();
+  if (deferred) device_ = c10::Device(c10::kCPU);
+  if (options_.init_device) device_ = *options_.init_device;
+  if (deferred) {
+    if (options_.sync_module_states) {
+      throw std::invalid_argument("fsdp: sync_module_states with a deferred_init model: there is nothing to broadcast "
+                                  "yet, and replaying the recorded initialization gives every rank the same values "
+                                  "when every rank built the model with the same seed; drop sync_module_states");
+    }
+    materialize_buffers();
+  }
   const ShardingGroups& groups = mesh_->groups(shard_size_, device);
   TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
   streams_ = std::make_unique<CommStreams>(device_);
@@ -96,6 +108,7 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   cfg.replicate_group = groups.replicate;
   cfg.streams = streams_.get();
   cfg.mixed_precision = options_.mixed_precision;
+  cfg.device = options_.init_device;
   if (options_.sync_module_states) broadcast_module_states();
   if (const auto& mp = options_.mixed_precision) {
     // Buffers are not sharded: cast them once, here, instead of at every forward.
@@ -126,6 +139,17 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   backward_started_.assign(handles_.size(), false);
   backward_done_.assign(handles_.size(), false);
   for (const auto& h : handles_) memory_.sharded_params += h->sharded_param_bytes();
+}
+
+void Runtime::materialize_buffers() {
+  // Buffers are not sharded: each is materialized whole, on the target device.
+  for (auto& b : root_->buffers(true)) {
+    if (!b.defined() || !is_deferred(b)) continue;
+    at::Tensor value = at::empty(b.sizes(), b.options().device(c10::kCPU));
+    materialize_into(b, value);
+    at::Tensor target = value.to(device_);
+    adopt(b, target);
+  }
 }
 
 void Runtime::broadcast_module_states() {

@@ -66,6 +66,7 @@ class Runtime : public TouchSink, public std::enable_shared_from_this<Runtime> {
 
  private:
   void broadcast_module_states();
+  void materialize_buffers();
   void finish_backward();
   void end_iteration();
   // Issue unit's all-gather if it is sharded (through the rate limiter).

@@ -24,6 +24,10 @@
 //   fsdp-test-worker sync --sync-module-states 0|1 --out PREFIX
 //       Each rank builds the model from its own seed; trains against a local reference built
 //       from rank 0's seed.
+//   fsdp-test-worker deferred --model gpt|zoo --out PREFIX
+//       Builds the model normally and with deferred_init from the same seed, shards both, and
+//       compares every shard and buffer bit for bit; measures the peak CPU tensor memory of both
+//       ways of building and sharding.
 // --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
@@ -34,11 +38,13 @@
 #include <torch/torch.h>
 
 #include "fsdp/fsdp.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/launch.h"
 #include "models/data.h"
 #include "models/gpt.h"
 #include "src/flat_param.h"
+#include "src/host_memory.h"
 
 using json = nlohmann::json;
 
@@ -55,6 +61,7 @@ struct Args {
   std::string device = "cpu";
   std::string param_dtype = "bf16", reduce_dtype;
   int inf_rank = -1, sync_module_states = 1;
+  std::string model = "gpt";
 };
 
 // Where parity models and batches live (--device).
@@ -78,6 +85,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--param-dtype") a.param_dtype = v;
     else if (k == "--reduce-dtype") a.reduce_dtype = v;
     else if (k == "--inf-rank") a.inf_rank = std::stoi(v);
+    else if (k == "--model") a.model = v;
     else if (k == "--sync-module-states") a.sync_module_states = std::stoi(v);
     else throw std::invalid_argument("unknown flag " + k);
   }
@@ -504,6 +512,101 @@ json run_sync(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
   return json{{"initial_diff", initial}, {"max_param_diff", max_shard_diff(sharded, mine, ref, rank)}};
 }
 
+// A constructor that initializes the way libtorch users do: default kaiming for Conv2d and
+// Linear, xavier and kaiming calls on registered tensors, a padding row zeroed through a view,
+// a random factory, and BatchNorm buffers.
+struct InitZooImpl : torch::nn::Module {
+  InitZooImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)));
+    lin = register_module("lin", torch::nn::Linear(64, 32));
+    xavier_w = register_parameter("xavier_w", torch::empty({48, 40}));
+    torch::nn::init::xavier_normal_(xavier_w);
+    kaiming_w = register_parameter("kaiming_w", torch::empty({40, 24}));
+    torch::nn::init::kaiming_normal_(kaiming_w, 0, torch::kFanOut, torch::kReLU);
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 16).padding_idx(0)));
+    noise = register_parameter("noise", torch::randn({7, 3}));
+    norm = register_module("norm", torch::nn::BatchNorm1d(16));
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear lin{nullptr};
+  torch::Tensor xavier_w, kaiming_w, noise;
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+TORCH_MODULE(InitZoo);
+
+json run_deferred(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const Args& a) {
+  const int rank = mesh->rank();
+  models::GPTConfig cfg{256, 64, 8, 4, 256};  // 8 blocks of 0.79 M parameters: a unit is ~1/9 of the model
+  std::function<std::shared_ptr<torch::nn::Module>()> build;
+  if (a.model == "gpt") {
+    build = [&] { return models::GPT(cfg).ptr(); };
+    opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  } else {
+    build = [] { return InitZoo().ptr(); };
+    opts.auto_wrap_policy = fsdp::module_type_policy<torch::nn::LinearImpl, torch::nn::Conv2dImpl, torch::nn::EmbeddingImpl>();
+  }
+  auto shard_bytes = [](const std::vector<fsdp::UnitInfo>& units) {
+    int64_t largest = 0, shards = 0;
+    for (const auto& u : units) {
+      largest = std::max(largest, u.padded_numel * u.element_size);
+      shards += u.shard_numel * u.element_size;
+    }
+    return std::make_pair(largest, shards);
+  };
+
+  torch::manual_seed(7);
+  int64_t normal_peak = 0;
+  std::shared_ptr<torch::nn::Module> normal;
+  std::optional<fsdp::FullyShardedDataParallel<torch::nn::Module>> n;
+  {
+    fsdp::HostMemoryPeak peak;
+    normal = build();
+    n.emplace(normal, mesh, opts);
+    normal_peak = peak.peak_bytes();
+  }
+  const at::Tensor after_normal = torch::randn({4});  // where the generator stands afterwards
+
+  torch::manual_seed(7);
+  int64_t deferred_peak = 0;
+  bool was_deferred = true;
+  std::shared_ptr<torch::nn::Module> deferred;
+  std::optional<fsdp::FullyShardedDataParallel<torch::nn::Module>> d;
+  {
+    fsdp::HostMemoryPeak peak;
+    deferred = fsdp::deferred_init(build);
+    for (const auto& p : deferred->parameters()) was_deferred = was_deferred && fsdp::is_deferred(p) && p.is_meta();
+    d.emplace(deferred, mesh, opts);
+    deferred_peak = peak.peak_bytes();
+  }
+  const at::Tensor after_deferred = torch::randn({4});
+
+  bool equal = true;
+  std::string first_difference;
+  auto np = normal->named_parameters(), dp = deferred->named_parameters();
+  for (const auto& item : np) {
+    const at::Tensor& x = item.value();
+    const at::Tensor& y = dp[item.key()];
+    if (y.is_meta() || x.sizes() != y.sizes() || !torch::equal(x, y)) {
+      if (equal) first_difference = item.key();
+      equal = false;
+    }
+  }
+  auto nb = normal->named_buffers(), db = deferred->named_buffers();
+  for (const auto& item : nb) {
+    const at::Tensor& y = db[item.key()];
+    if (y.is_meta() || !torch::equal(item.value(), y)) {
+      if (equal) first_difference = item.key();
+      equal = false;
+    }
+  }
+  const auto [largest, shards] = shard_bytes(d->units());
+  return json{{"was_deferred", was_deferred}, {"bitwise_equal", equal}, {"first_difference", first_difference},
+              {"rng_continues_equal", torch::equal(after_normal, after_deferred)},
+              {"normal_peak_bytes", normal_peak}, {"deferred_peak_bytes", deferred_peak},
+              {"largest_unit_bytes", largest}, {"shard_bytes", shards}, {"rank", rank}};
+}
+
 json run_overlap(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts) {
   const int W = mesh->world_size(), rank = mesh->rank();
   const int64_t per = kGlobalBatch / W;
@@ -599,6 +702,10 @@ int run(const Args& a) {
   }
   if (a.mode == "overlap") {
     write(a, rank, run_overlap(mesh, options_from(a)));
+    return 0;
+  }
+  if (a.mode == "deferred") {
+    write(a, rank, run_deferred(mesh, options_from(a), a));
     return 0;
   }
   if (a.mode == "precision") {

@@ -99,6 +99,10 @@ struct Options {
   // Broadcast rank 0's parameters and buffers at construction, so ranks that built the model with
   // different seeds (or loaded different files) start equal.
   bool sync_module_states = false;
+  // Where the shards live. Unset: the parameters' device, or the CPU for a model built with
+  // deferred_init. Set to a device other than the parameters' (e.g. CUDA for a model built on the
+  // CPU), each unit is flattened where it is and only its shard is moved, one unit at a time.
+  std::optional<c10::Device> init_device;
 };
 
 }  // namespace fsdp

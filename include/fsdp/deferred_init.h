@@ -1,0 +1,65 @@
+// Deferred initialization (paper §3.1): build a model that fits nowhere without allocating it,
+// then let FullyShardedDataParallel materialize it unit by unit, directly as shards.
+//
+//   auto model = fsdp::deferred_init([&] { return MyModel(cfg); });   // the model's code unchanged
+//   fsdp::Options opts;                                               // opts.init_device: where shards go
+//   fsdp::FullyShardedDataParallel fsdp_model(model, mesh, opts);     // replays each unit's init
+//
+// While `build` runs, every tensor factory (empty, zeros, randn, ...) makes a meta tensor (shape
+// and dtype, no memory) and every in-place initialization of such a tensor (uniform_, normal_,
+// fill_, zero_, copy_ from a real tensor, also on views of it) is recorded for that tensor. A
+// random op also records the generator's state before it and runs once on a throw-away tensor
+// of the same layout, so the generator advances exactly as in a normal construction: replaying
+// a tensor's ops later, from those states, gives bit for bit the values the normal construction
+// would have given, in any order and one unit at a time. Peak memory while building is one
+// tensor (the throw-away); while sharding, the unit being materialized plus the shards.
+//
+// Constructors may create tensors, take views of them and initialize them in place; a
+// constructor that computes with a deferred tensor's values (t.sum(), t * 2, t.clone()) gets a
+// clear error naming the operator: build such a model normally, or with meta_init for planning.
+//
+// meta_init is the same without the replay record (no throw-away runs, no generator states): it
+// builds even a 175-billion-parameter model in seconds, for planning (fsdp::plan_memory), but
+// cannot be materialized.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace fsdp {
+namespace detail {
+// While alive, tensor factories on this thread make deferred (meta) tensors.
+class DeferredInitScope {
+ public:
+  explicit DeferredInitScope(bool record);
+  ~DeferredInitScope();
+  DeferredInitScope(const DeferredInitScope&) = delete;
+  DeferredInitScope& operator=(const DeferredInitScope&) = delete;
+
+ private:
+  bool previous_record_;
+  bool previous_active_;
+};
+}  // namespace detail
+
+template <typename Build>
+auto deferred_init(Build&& build) -> decltype(build()) {
+  detail::DeferredInitScope scope(/*record=*/true);
+  return build();
+}
+
+template <typename Build>
+auto meta_init(Build&& build) -> decltype(build()) {
+  detail::DeferredInitScope scope(/*record=*/false);
+  return build();
+}
+
+// Whether `t` was made by deferred_init or meta_init and not materialized yet.
+bool is_deferred(const at::Tensor& t);
+// Fills `out` (a real tensor of t's shape and dtype) with the values t's recorded construction
+// gives. Throws for meta_init tensors and for views that are not a whole deferred tensor.
+void materialize_into(const at::Tensor& t, at::Tensor out);
+// Materializes `t` in place, keeping its identity (the TensorImpl and its autograd state): after
+// this it is an ordinary tensor holding `value`'s storage on value's device.
+void adopt(at::Tensor& t, const at::Tensor& value);
+
+}  // namespace fsdp
