@@ -18,7 +18,9 @@
 #include <torch/torch.h>
 
 #include "fsdp/fsdp.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/plan.h"
 #include "fsdp/launch.h"
 #include "models/data.h"
 #include "models/gpt.h"
@@ -50,6 +52,9 @@ struct Config {
   int trace_step = 2;
   std::string mixed_precision = "none";  // or bf16 / fp16: param and reduce dtype
   bool sync_module_states = false;
+  bool plan = false;        // print the per-rank memory plan for plan_world ranks, then exit
+  int plan_world = 0;
+  int plan_local = 8;       // ranks per node, for the plan's hybrid strategies
 };
 
 // One JSON line per write() on an O_APPEND descriptor: ranks can share the file.
@@ -125,6 +130,33 @@ int export_init(const Config& c) {
   std::ofstream(fs::path(c.export_init) / "config.json") << settings.dump(2) << "\n";
   std::cout << "fsdp-train: wrote " << model->named_parameters().size() << " tensors, " << c.steps
             << " batches and config.json to " << c.export_init << std::endl;
+  return 0;
+}
+
+// The per-rank memory plan of the model in fp32 and in bf16 mixed precision, computed from a
+// meta_init model: nothing is allocated, so any size can be planned on any machine.
+int plan(const Config& c) {
+  auto cfg = models::GPTConfig::preset(c.model);
+  if (c.block_size > 0) cfg.block_size = c.block_size;
+  const int W = c.plan_world;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = fsdp::meta_init([&] { return models::GPT(cfg); });
+  const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fsdp::Options opts;
+  opts.strategy = fsdp::parse_strategy(c.strategy);
+  opts.shard_size = c.shard_size;
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  opts.backward_prefetch = fsdp::parse_backward_prefetch(c.backward_prefetch);
+  opts.forward_prefetch = c.forward_prefetch;
+  opts.prefetch_count = c.prefetch_count;
+  std::vector<fsdp::MemoryPlan> plans;
+  plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
+  opts.mixed_precision = fsdp::MixedPrecision{};  // bf16 compute and reduce, fp32 master
+  plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
+  std::cout << "fsdp-train --plan: GPT '" << c.model << "' (" << cfg.n_layer << " layers, d_model " << cfg.d_model
+            << ", " << cfg.n_head << " heads, vocab " << cfg.vocab_size << ", block " << cfg.block_size
+            << "), built with meta_init in " << build_s << " s, nothing allocated\n\n"
+            << fsdp::format_plans(plans) << std::endl;
   return 0;
 }
 
@@ -313,6 +345,10 @@ int main(int argc, char** argv) {
   app.add_option("--mixed-precision", c.mixed_precision, "none, bf16 or fp16 (fp16 adds the sharded gradient scaler)")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_flag("--sync-module-states", c.sync_module_states, "broadcast rank 0's initial weights to every rank");
+  app.add_flag("--plan", c.plan, "print the per-rank memory plan (fp32 and bf16) without allocating the model, then exit");
+  app.add_option("--world-size", c.plan_world, "--plan: ranks to plan for (default: --nproc-per-node)")->check(CLI::PositiveNumber);
+  app.add_option("--ranks-per-node", c.plan_local, "--plan: ranks per node (the hybrid strategies' default F)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--local", c.local, "baseline: plain libtorch training in one process, without fsdp");
   app.add_option("--export-init", c.export_init,
                  "write the initial weights, every step's batch and the settings to this folder, then exit");
@@ -323,6 +359,11 @@ int main(int argc, char** argv) {
   }
   try {
     if (!c.export_init.empty()) return export_init(c);
+    if (c.plan) {
+      Config p = c;
+      if (p.plan_world <= 0) p.plan_world = std::max(1, nproc);
+      return plan(p);
+    }
     if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
     if (std::getenv("RANK") == nullptr && std::getenv("WORLD_SIZE") == nullptr) {
       // Neither launched nor asked to launch: one local rank.

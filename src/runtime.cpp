@@ -41,21 +41,8 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
     : root_(std::move(root)), mesh_(std::move(mesh)), options_(std::move(options)) {
   TORCH_CHECK(root_ && mesh_, "fsdp: FullyShardedDataParallel needs a module and a mesh");
   const int W = mesh_->world_size();
-  switch (options_.strategy) {
-    case ShardingStrategy::FULL_SHARD: shard_size_ = W; reshard_after_forward_ = true; break;
-    case ShardingStrategy::SHARD_GRAD_OP: shard_size_ = W; reshard_after_forward_ = false; break;
-    case ShardingStrategy::NO_SHARD: shard_size_ = 1; reshard_after_forward_ = false; break;
-    case ShardingStrategy::HYBRID_SHARD:
-    case ShardingStrategy::HYBRID_SHARD_ZERO2:
-      shard_size_ = options_.shard_size > 0 ? options_.shard_size : mesh_->env().local_world_size;
-      reshard_after_forward_ = options_.strategy == ShardingStrategy::HYBRID_SHARD;
-      break;
-  }
-  if (shard_size_ < 1 || W % shard_size_ != 0) {
-    throw std::invalid_argument("fsdp: sharding factor F=" + std::to_string(shard_size_) + " (" +
-                                to_string(options_.strategy) + ") does not divide the world size W=" +
-                                std::to_string(W) + "; pass a divisor of W as the shard size");
-  }
+  shard_size_ = sharding_factor(options_, W, mesh_->env().local_world_size);
+  reshard_after_forward_ = reshards_after_forward(options_.strategy);
 
   plans_ = decompose(*root_, options_.auto_wrap_policy);
 

@@ -40,6 +40,7 @@
 #include "fsdp/fsdp.h"
 #include "fsdp/deferred_init.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/plan.h"
 #include "fsdp/launch.h"
 #include "models/data.h"
 #include "models/gpt.h"
@@ -674,6 +675,8 @@ int run(const Args& a) {
     models::GPT gpt(models::GPTConfig::preset("tiny"));
     fsdp::Options o = options_from(a);
     o.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+    // The memory plan from the shapes alone (before sharding), to hold against what is measured.
+    const auto plan = fsdp::plan_memory(*gpt, mesh->world_size(), o, fsdp::LaunchEnv::from_environment().local_world_size);
     fsdp::FullyShardedDataParallel sharded(gpt, mesh, o);
     torch::optim::SGD opt(gpt->parameters(), torch::optim::SGDOptions(0.1));
     const int64_t per = kGlobalBatch / mesh->world_size();
@@ -697,7 +700,9 @@ int run(const Args& a) {
                            {"shard_numel", u.shard_numel}, {"is_root", u.is_root}, {"element_size", u.element_size}});
     }
     write(a, rank, json{{"rank", rank}, {"world_size", mesh->world_size()}, {"shard_size", sharded.shard_size()},
-                        {"units", units}, {"steps", steps}});
+                        {"units", units}, {"steps", steps},
+                        {"plan", {{"sharded_params", plan.sharded_params}, {"sharded_grads", plan.sharded_grads},
+                                  {"peak_unsharded_params", plan.peak_unsharded_params}, {"shard_size", plan.shard_size}}}});
     return 0;
   }
   if (a.mode == "overlap") {

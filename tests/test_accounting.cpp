@@ -84,6 +84,14 @@ TEST_P(Accounting, MatchesAnalyticVolumesAndMemory) {
         EXPECT_EQ(step["unsharded_peak"].get<int64_t>(), sum_s) << what;
       }
     }
+    // fsdp::plan_memory, computed from the shapes alone, predicts what the run holds.
+    const auto& plan = j["plan"];
+    EXPECT_EQ(plan["shard_size"].get<int64_t>(), F);
+    EXPECT_EQ(plan["sharded_params"].get<int64_t>(), resident);
+    EXPECT_EQ(plan["sharded_grads"].get<int64_t>(), resident);
+    for (const auto& step : j["steps"]) {
+      EXPECT_LE(step["unsharded_peak"].get<int64_t>(), plan["peak_unsharded_params"].get<int64_t>()) << step.dump();
+    }
     std::remove((out + "." + std::to_string(r) + ".json").c_str());
   }
 }
