@@ -2,7 +2,9 @@
 // which gave no numbers), for several model sizes, side by side in one run:
 //   deferred        fsdp::deferred_init (meta tensors, recorded initialization), then FSDP replays
 //                   it unit by unit straight into the flat buffers and keeps the shards
-//   device, shard   build the model normally on the device, then shard it
+//   build, shard    build the model normally, move it whole to the device, then shard it
+//                   (libtorch has no default-device context, so a model whose code is unchanged is
+//                   built on the CPU; on a CPU-only machine there is nothing to move)
 //   CPU, stream     build it on the CPU, then FSDP moves it to the device unit by unit, sharding
 //                   each unit as it arrives (Options::init_device); on a machine without a GPU
 //                   the device is the CPU and this is the row above, so it is left out
@@ -64,7 +66,7 @@ int main(int argc, char** argv) {
     const torch::Device device = cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
                                       : torch::Device(torch::kCPU);
     if (cuda) c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
-    std::vector<std::string> paths{"deferred", "device, shard"};
+    std::vector<std::string> paths{"deferred", "build, shard"};
     if (cuda) paths.push_back("CPU, stream");
 
     if (mesh->rank() == 0) {
@@ -92,7 +94,7 @@ int main(int argc, char** argv) {
             if (paths[p] == "deferred") {
               model = fsdp::deferred_init([&] { return models::GPT(cfg); }).ptr();
               if (cuda) opts.init_device = device;
-            } else if (paths[p] == "device, shard") {
+            } else if (paths[p] == "build, shard") {
               model = models::GPT(cfg).ptr();
               if (cuda) model->to(device);
             } else {

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("ours", "fsdp2", "fsdp1")
+MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LABELS = {"ours": "ours (fsdp-train)", "fsdp2": "PyTorch FSDP2", "fsdp1": "PyTorch FSDP1"}
 
 
@@ -133,7 +134,7 @@ def load_pt(path):
 # ---------------------------------------------------------------------------------------------
 # One rank of a PyTorch run (started by torch.multiprocessing.spawn)
 
-def worker(local_rank, system, world_size, store_port, export_dir, device, adamw_impl, result_path):
+def worker(local_rank, system, world_size, store_port, export_dir, device, adamw_impl, mixed, result_path):
     rank = local_rank  # single node
     # FSDP1 is deprecated in favour of FSDP2; the warning would be repeated by every rank.
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -149,7 +150,7 @@ def worker(local_rank, system, world_size, store_port, export_dir, device, adamw
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
-        result = train(system, rank, world_size, export_dir, dev, adamw_impl)
+        result = train(system, rank, world_size, export_dir, dev, adamw_impl, mixed)
         if rank == 0:
             with open(result_path + ".tmp", "w") as f:
                 json.dump(result, f)
@@ -160,7 +161,7 @@ def worker(local_rank, system, world_size, store_port, export_dir, device, adamw
         dist.destroy_process_group()
 
 
-def train(system, rank, W, export_dir, dev, adamw_impl):
+def train(system, rank, W, export_dir, dev, adamw_impl, mixed):
     with open(os.path.join(export_dir, "config.json")) as f:
         cfg = json.load(f)
     init = load_pt(os.path.join(export_dir, "init.pt"))
@@ -175,18 +176,23 @@ def train(system, rank, W, export_dir, dev, adamw_impl):
 
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+        # fsdp's --mixed-precision: compute and reduce in that dtype, fp32 master and optimizer.
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=MIXED[mixed], reduce_dtype=MIXED[mixed])} if mixed != "none" else {}
         mesh = init_device_mesh(dev.type, (W,))
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # the root unit: embeddings, ln_f and the tied head
+            fully_shard(block, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)  # the root unit: embeddings, ln_f and the tied head
         wrapped = model
     elif system == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         # device_id must be given on CPU too: with None, FSDP1 looks for an accelerator and
         # refuses to run ("FSDP needs a non-CPU accelerator device") on a machine without one.
-        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+        from torch.distributed.fsdp import MixedPrecision
+        mp = {"mixed_precision": MixedPrecision(param_dtype=MIXED[mixed], reduce_dtype=MIXED[mixed],
+                                                buffer_dtype=MIXED[mixed])} if mixed != "none" else {}
+        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), **mp,
                        sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
                        device_id=dev)
     else:
@@ -243,7 +249,7 @@ def run_pytorch(system, args, export_dir, workdir, run_index):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         mp.spawn(worker, nprocs=args.world_size, join=True,
-                 args=(system, args.world_size, store.port, export_dir, args.device, args.adamw_impl,
+                 args=(system, args.world_size, store.port, export_dir, args.device, args.adamw_impl, args.mixed_precision,
                        result_path))
     except Exception as e:  # a rank raised or died: spawn has stopped the others
         msg = str(e).strip().splitlines()
@@ -284,6 +290,8 @@ def run_ours(args, workdir, run_index):
             "--metrics-jsonl", metrics, "--log-every", "1000"] + common_train_flags(args))
     if args.device == "cuda":
         cmd += ["--device", "cuda"]  # UNTESTED here
+    if args.mixed_precision != "none":
+        cmd += ["--mixed-precision", args.mixed_precision]
     cmd += shlex.split(args.ours_args)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
@@ -320,6 +328,9 @@ def parse_args():
                    help="cuda: NCCL, one GPU per rank (UNTESTED)")
     p.add_argument("--ours-args", default="",
                    help="extra fsdp-train flags; write --ours-args=--flag for a lone flag; must not change the math")
+    p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                   help="bf16 compute and reduction with an fp32 master in every system (losses then agree "
+                        "to bf16, not fp32, tolerance: raise --loss-tol)")
     p.add_argument("--adamw-impl", choices=("single", "foreach"), default="single",
                    help="PyTorch AdamW loop (fused is not offered: one kernel, not libtorch's op sequence)")
     p.add_argument("--loss-tol", type=float, default=1e-4,

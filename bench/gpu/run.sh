@@ -7,10 +7,13 @@
 # 1. builds fsdp-train and fsdp-test-worker against the machine's torch (no GoogleTest there);
 # 2. CUDA checks: the whole parity suite (tiny GPT + uneven net, SGD and AdamW, two forwards,
 #    accumulation, no_sync, clipping) on the GPU against local training on the GPU;
-# 3. the ~1B GPT at W=1: tokens/s, TFLOPS per GPU, MFU against 989 TFLOPS (dense bf16 peak; this
-#    is fp32, so MFU is low by construction), peak allocated/active/reserved memory and
-#    num_alloc_retries, for the default settings, prefetch off and the rate limiter off; and the
-#    same model, weights and batches with PyTorch FSDP2 (bench/vs_pytorch.py --device cuda).
+# 3. the ~1B GPT at W=1 in bf16 mixed precision (fp32 master): tokens/s, TFLOPS per GPU, MFU
+#    against 989 TFLOPS (dense bf16 peak), peak allocated/active/reserved memory and
+#    num_alloc_retries, for the default settings, prefetch off and the rate limiter off, plus one
+#    fp32 run; and the same model, weights and batches with PyTorch FSDP2 in bf16
+#    (bench/vs_pytorch.py --device cuda --mixed-precision bf16);
+# 4. the initialization benchmark on the GPU (deferred, build on the device then shard, build on
+#    the CPU and stream unit by unit).
 #    At W=1 the sharding factor is 1: nothing is gathered, so prefetch and the rate limiter have
 #    nothing to act on there; the rows show that they cost nothing. Overlap needs W >= 2 GPUs.
 set -uo pipefail
@@ -29,7 +32,7 @@ if ! cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TE
   say "configure FAILED"; tail -30 "$OUT/cmake.log"; exit 1
 fi
 say "build"
-if ! cmake --build build-gpu -j "$(nproc)" --target fsdp-train fsdp-test-worker > "$OUT/build.log" 2>&1; then
+if ! cmake --build build-gpu -j "$(nproc)" --target fsdp-train fsdp-test-worker fsdp-bench-init > "$OUT/build.log" 2>&1; then
   say "build FAILED"; grep -m20 -B2 -A6 "error" "$OUT/build.log"; exit 1
 fi
 
@@ -52,19 +55,26 @@ PY
 run_ours() {  # label, extra fsdp-train flags
   local label=$1; shift
   build-gpu/bin/fsdp-train --device cuda --model 1b --steps "$STEPS" --global-batch-size "$BATCH" --log-every 1 \
+    --mixed-precision "${PRECISION:-bf16}" \
     --metrics-jsonl "$OUT/ours-$label.jsonl" "$@" > "$OUT/ours-$label.log" 2>&1 || say "ours $label FAILED (see ours-$label.log)"
 }
-say "1B GPT, W=1, fp32: fsdp"
+say "1B GPT, W=1, bf16 mixed precision: fsdp"
 run_ours default
 run_ours no-prefetch --backward-prefetch none
 run_ours no-limiter --limit-all-gathers 0
+PRECISION=none run_ours fp32
 build-gpu/bin/fsdp-train --device cuda --model 1b --steps 3 --global-batch-size "$BATCH" --trace "$OUT/trace" --trace-step 2 \
   > "$OUT/trace.log" 2>&1 || true
 
-say "1B GPT, W=1, fp32: PyTorch FSDP2, same weights and batches"
+say "1B GPT, W=1, bf16: PyTorch FSDP2, same weights and batches"
 "$PY" bench/vs_pytorch.py --device cuda --world-size 1 --model 1b --steps "$STEPS" --warmup 3 --repeats 1 \
+  --mixed-precision bf16 --loss-tol 0.1 \
   --global-batch-size "$BATCH" --systems ours,fsdp2 --fsdp-train build-gpu/bin/fsdp-train --markdown \
   > "$OUT/vs_pytorch.txt" 2>&1 || say "vs_pytorch exited $? (see vs_pytorch.txt)"
+
+say "initialization benchmark on the GPU"
+build-gpu/bin/fsdp-bench-init --nproc-per-node 1 --device cuda --models default medium large 1b --repeats 1 \
+  > "$OUT/bench-init.txt" 2>&1 || say "fsdp-bench-init failed (see bench-init.txt)"
 
 "$PY" - "$OUT" "$BATCH" <<'PY' | tee "$OUT/results.md"
 import glob, json, os, statistics, sys
@@ -88,8 +98,9 @@ for path in sorted(glob.glob(os.path.join(out, "ours-*.jsonl"))):
     print(f"| {os.path.basename(path)[5:-6]} | {ms:.0f} | {tps:.0f} | {tflops:.1f} | {tflops/989:.1%} | "
           f"{dm['allocated_peak']/1e9:.1f} | {dm['reserved_peak']/1e9:.1f} | {max(r['device_memory']['num_alloc_retries'] for r in rows)} |")
 print()
-try:
-    print(open(os.path.join(out, "vs_pytorch.txt")).read()[-3000:])
-except OSError:
-    pass
+for name in ("vs_pytorch.txt", "bench-init.txt"):
+    try:
+        print(open(os.path.join(out, name)).read()[-3000:])
+    except OSError:
+        pass
 PY
