@@ -63,6 +63,7 @@ struct Args {
   std::string param_dtype = "bf16", reduce_dtype;
   int inf_rank = -1, sync_module_states = 1;
   std::string model = "gpt";
+  int keep_low_grads = 0;
 };
 
 // Where parity models and batches live (--device).
@@ -87,6 +88,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--reduce-dtype") a.reduce_dtype = v;
     else if (k == "--inf-rank") a.inf_rank = std::stoi(v);
     else if (k == "--model") a.model = v;
+    else if (k == "--keep-low-grads") a.keep_low_grads = std::stoi(v);
     else if (k == "--sync-module-states") a.sync_module_states = std::stoi(v);
     else throw std::invalid_argument("unknown flag " + k);
   }
@@ -344,6 +346,29 @@ json run_dynamic(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts) {
   return json{{"max_param_diff", max_param_diff}, {"max_loss_diff", max_loss_diff}};
 }
 
+// A constructor that initializes the way libtorch users do: default kaiming for Conv2d and
+// Linear, xavier and kaiming calls on registered tensors, a padding row zeroed through a view,
+// a random factory, and BatchNorm buffers.
+struct InitZooImpl : torch::nn::Module {
+  InitZooImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)));
+    lin = register_module("lin", torch::nn::Linear(64, 32));
+    xavier_w = register_parameter("xavier_w", torch::empty({48, 40}));
+    torch::nn::init::xavier_normal_(xavier_w);
+    kaiming_w = register_parameter("kaiming_w", torch::empty({40, 24}));
+    torch::nn::init::kaiming_normal_(kaiming_w, 0, torch::kFanOut, torch::kReLU);
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 16).padding_idx(0)));
+    noise = register_parameter("noise", torch::randn({7, 3}));
+    norm = register_module("norm", torch::nn::BatchNorm1d(16));
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear lin{nullptr};
+  torch::Tensor xavier_w, kaiming_w, noise;
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+TORCH_MODULE(InitZoo);
+
 // Max |mine - ref| over this rank's shard of every parameter (both models built the same way).
 double max_shard_diff(fsdp::FullyShardedDataParallel<models::GPTImpl>& sharded, models::GPT& mine, models::GPT& ref,
                       int rank) {
@@ -384,7 +409,7 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, 
     fp32_bytes = s.metrics().comm;
   }
 
-  opts.mixed_precision = fsdp::MixedPrecision{pd, rd, pd, false};
+  opts.mixed_precision = fsdp::MixedPrecision{pd, rd, pd, a.keep_low_grads != 0};
   torch::manual_seed(0);
   models::GPT mine(cfg);
   torch::manual_seed(0);
@@ -399,7 +424,7 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, 
   auto ref_params = unique_params(*ref);
   auto work_params = unique_params(*work);
 
-  std::set<std::string> ag_dtypes, rs_dtypes;
+  std::set<std::string> ag_dtypes, rs_dtypes, grad_dtypes, param_dtypes;
   std::string logits_dtype;
   fsdp::CommBytes mp_bytes;
   for (int step = 0; step < 3; ++step) {
@@ -411,6 +436,10 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, 
       return logits;
     }, step, rank * per, rank * per + per);
     loss.backward();
+    for (const auto& p : my_unique) {
+      if (p.grad().defined()) grad_dtypes.insert(fsdp::dtype_name(p.grad().scalar_type()));
+      param_dtypes.insert(fsdp::dtype_name(p.scalar_type()));
+    }
     opt.step();
     if (step == 0) mp_bytes = sharded.metrics().comm;
     for (const auto& sp : sharded.timeline()) {
@@ -438,11 +467,23 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, 
       }
     }
     for (size_t i = 0; i < ref_params.size(); ++i) {
-      if (sum[i].defined()) ref_params[i].second.add_(sum[i].to(torch::kFloat), -lr);
+      if (!sum[i].defined()) continue;
+      // fsdp casts the reduced gradient to fp32, and with keep_low_precision_grads on to param_dtype.
+      auto g = sum[i].to(torch::kFloat);
+      if (a.keep_low_grads) g = g.to(pd).to(torch::kFloat);
+      ref_params[i].second.add_(g, -lr);
     }
   }
+  // Buffers are cast once to buffer_dtype; integer buffers stay as they are.
+  torch::manual_seed(0);
+  InitZoo zoo;
+  fsdp::Options zoo_opts = opts;
+  zoo_opts.auto_wrap_policy = nullptr;
+  fsdp::FullyShardedDataParallel zoo_sharded(zoo, mesh, zoo_opts);
   return json{{"max_param_diff", max_shard_diff(sharded, mine, ref, rank)},
-              {"logits_dtype", logits_dtype},
+              {"logits_dtype", logits_dtype}, {"grad_dtypes", grad_dtypes}, {"param_dtypes", param_dtypes},
+              {"running_mean_dtype", fsdp::dtype_name(zoo->norm->running_mean.scalar_type())},
+              {"num_batches_tracked_dtype", fsdp::dtype_name(zoo->norm->num_batches_tracked.scalar_type())},
               {"all_gather_dtypes", ag_dtypes}, {"reduce_scatter_dtypes", rs_dtypes},
               {"fp32_all_gather_bytes", fp32_bytes.all_gather}, {"fp32_reduce_scatter_bytes", fp32_bytes.reduce_scatter},
               {"all_gather_bytes", mp_bytes.all_gather}, {"reduce_scatter_bytes", mp_bytes.reduce_scatter}};
@@ -513,28 +554,6 @@ json run_sync(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
   return json{{"initial_diff", initial}, {"max_param_diff", max_shard_diff(sharded, mine, ref, rank)}};
 }
 
-// A constructor that initializes the way libtorch users do: default kaiming for Conv2d and
-// Linear, xavier and kaiming calls on registered tensors, a padding row zeroed through a view,
-// a random factory, and BatchNorm buffers.
-struct InitZooImpl : torch::nn::Module {
-  InitZooImpl() {
-    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)));
-    lin = register_module("lin", torch::nn::Linear(64, 32));
-    xavier_w = register_parameter("xavier_w", torch::empty({48, 40}));
-    torch::nn::init::xavier_normal_(xavier_w);
-    kaiming_w = register_parameter("kaiming_w", torch::empty({40, 24}));
-    torch::nn::init::kaiming_normal_(kaiming_w, 0, torch::kFanOut, torch::kReLU);
-    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 16).padding_idx(0)));
-    noise = register_parameter("noise", torch::randn({7, 3}));
-    norm = register_module("norm", torch::nn::BatchNorm1d(16));
-  }
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::Linear lin{nullptr};
-  torch::Tensor xavier_w, kaiming_w, noise;
-  torch::nn::Embedding emb{nullptr};
-  torch::nn::BatchNorm1d norm{nullptr};
-};
-TORCH_MODULE(InitZoo);
 
 json run_deferred(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const Args& a) {
   const int rank = mesh->rank();
@@ -601,11 +620,23 @@ json run_deferred(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, c
       equal = false;
     }
   }
+  // A constructor that computes with a parameter's value is refused, with the operator named.
+  std::string refusal;
+  try {
+    fsdp::deferred_init([] {
+      auto lin = torch::nn::Linear(4, 4);
+      torch::NoGradGuard no_grad;
+      lin->bias.copy_(lin->weight.sum(1));
+      return lin;
+    });
+  } catch (const std::exception& e) {
+    refusal = e.what();
+  }
   const auto [largest, shards] = shard_bytes(d->units());
   return json{{"was_deferred", was_deferred}, {"bitwise_equal", equal}, {"first_difference", first_difference},
               {"rng_continues_equal", torch::equal(after_normal, after_deferred)},
               {"normal_peak_bytes", normal_peak}, {"deferred_peak_bytes", deferred_peak},
-              {"largest_unit_bytes", largest}, {"shard_bytes", shards}, {"rank", rank}};
+              {"largest_unit_bytes", largest}, {"shard_bytes", shards}, {"rank", rank}, {"refusal", refusal}};
 }
 
 json run_overlap(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts) {

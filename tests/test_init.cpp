@@ -52,6 +52,9 @@ TEST(DeferredInit, EqualsNormalConstructionBitForBit) {
         EXPECT_TRUE(j["was_deferred"].get<bool>()) << "every parameter must be unallocated before sharding; " << what;
         EXPECT_TRUE(j["bitwise_equal"].get<bool>()) << what;
         EXPECT_TRUE(j["rng_continues_equal"].get<bool>()) << what;
+        const std::string refusal = j["refusal"];
+        EXPECT_NE(refusal.find("aten::sum"), std::string::npos) << "a constructor reading a deferred value is refused, "
+                                                                   "naming the operator: " << refusal;
       }
     }
   }

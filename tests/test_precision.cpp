@@ -31,6 +31,7 @@ struct PrecisionCase {
   std::string param, reduce;
   int world;
   double tol;
+  bool keep_low_grads = false;
 };
 
 void PrintTo(const PrecisionCase& c, std::ostream* os) { *os << c.param << "/" << c.reduce << " W=" << c.world; }
@@ -39,7 +40,8 @@ class Precision : public testing::TestWithParam<PrecisionCase> {};
 
 TEST_P(Precision, MatchesReplayedCastsAndCarriesTheDtypes) {
   const auto& c = GetParam();
-  const auto ranks = run_worker("precision", c.world, "--param-dtype " + c.param + " --reduce-dtype " + c.reduce);
+  const auto ranks = run_worker("precision", c.world, "--param-dtype " + c.param + " --reduce-dtype " + c.reduce +
+                                                         " --keep-low-grads " + (c.keep_low_grads ? "1" : "0"));
   ASSERT_EQ(ranks.size(), static_cast<size_t>(c.world));
   for (int r = 0; r < c.world; ++r) {
     const json& j = ranks[static_cast<size_t>(r)];
@@ -48,6 +50,11 @@ TEST_P(Precision, MatchesReplayedCastsAndCarriesTheDtypes) {
     EXPECT_EQ(j["logits_dtype"], c.param) << "forward must run in param_dtype; " << what;
     EXPECT_EQ(j["all_gather_dtypes"], json::array({c.param})) << what;
     EXPECT_EQ(j["reduce_scatter_dtypes"], json::array({c.reduce})) << what;
+    // The optimizer steps the fp32 master, with fp32 gradients unless asked to keep them low.
+    EXPECT_EQ(j["param_dtypes"], json::array({"fp32"})) << what;
+    EXPECT_EQ(j["grad_dtypes"], json::array({c.keep_low_grads ? c.param : std::string("fp32")})) << what;
+    EXPECT_EQ(j["running_mean_dtype"], c.param) << "floating buffers are cast to buffer_dtype; " << what;
+    EXPECT_EQ(j["num_batches_tracked_dtype"], "Long") << "integer buffers stay; " << what;
     // Half the bytes of fp32 for every 2-byte dtype, to the byte.
     EXPECT_EQ(2 * j["all_gather_bytes"].get<int64_t>(), j["fp32_all_gather_bytes"].get<int64_t>()) << what;
     const int64_t rs_factor = c.reduce == "fp32" ? 1 : 2;
@@ -57,9 +64,11 @@ TEST_P(Precision, MatchesReplayedCastsAndCarriesTheDtypes) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Precision,
                          testing::Values(PrecisionCase{"bf16", "bf16", 2, 1e-3}, PrecisionCase{"bf16", "bf16", 3, 1e-3},
-                                         PrecisionCase{"fp16", "fp16", 3, 1e-4}, PrecisionCase{"bf16", "fp32", 2, 1e-3}),
+                                         PrecisionCase{"fp16", "fp16", 3, 1e-4}, PrecisionCase{"bf16", "fp32", 2, 1e-3},
+                                         PrecisionCase{"bf16", "bf16", 2, 1e-3, true}),
                          [](const testing::TestParamInfo<PrecisionCase>& i) {
-                           return i.param.param + "_" + i.param.reduce + "_W" + std::to_string(i.param.world);
+                           return i.param.param + "_" + i.param.reduce + "_W" + std::to_string(i.param.world) +
+                                  (i.param.keep_low_grads ? "_keep_low_grads" : "");
                          });
 
 // An inf in one rank's gradient shard skips the step on every rank and backs the scale off; the
