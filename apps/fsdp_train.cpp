@@ -133,6 +133,24 @@ int export_init(const Config& c) {
   return 0;
 }
 
+// The fsdp options the flags ask for; the GPT's blocks are the units.
+fsdp::Options fsdp_options(const Config& c) {
+  fsdp::Options opts;
+  opts.strategy = fsdp::parse_strategy(c.strategy);
+  opts.shard_size = c.shard_size;
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  opts.backward_prefetch = fsdp::parse_backward_prefetch(c.backward_prefetch);
+  opts.forward_prefetch = c.forward_prefetch;
+  opts.prefetch_count = c.prefetch_count;
+  opts.limit_all_gathers = c.limit_all_gathers;
+  opts.sync_module_states = c.sync_module_states;
+  if (c.mixed_precision != "none") {
+    const auto dtype = fsdp::parse_dtype(c.mixed_precision);
+    opts.mixed_precision = fsdp::MixedPrecision{dtype, dtype, dtype, false};
+  }
+  return opts;
+}
+
 // The per-rank memory plan of the model in fp32 and in bf16 mixed precision, computed from a
 // meta_init model: nothing is allocated, so any size can be planned on any machine.
 int plan(const Config& c) {
@@ -142,13 +160,8 @@ int plan(const Config& c) {
   const auto t0 = std::chrono::steady_clock::now();
   auto model = fsdp::meta_init([&] { return models::GPT(cfg); });
   const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fsdp::Options opts;
-  opts.strategy = fsdp::parse_strategy(c.strategy);
-  opts.shard_size = c.shard_size;
-  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
-  opts.backward_prefetch = fsdp::parse_backward_prefetch(c.backward_prefetch);
-  opts.forward_prefetch = c.forward_prefetch;
-  opts.prefetch_count = c.prefetch_count;
+  fsdp::Options opts = fsdp_options(c);
+  opts.mixed_precision.reset();  // planned both ways below
   std::vector<fsdp::MemoryPlan> plans;
   plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
   opts.mixed_precision = fsdp::MixedPrecision{};  // bf16 compute and reduce, fp32 master
@@ -191,19 +204,7 @@ int train(const Config& c) {
                                 std::to_string(c.steps) + "; pick a step that runs");
   }
   if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
-  fsdp::Options opts;
-  opts.strategy = fsdp::parse_strategy(c.strategy);
-  opts.shard_size = c.shard_size;
-  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
-  opts.backward_prefetch = fsdp::parse_backward_prefetch(c.backward_prefetch);
-  opts.forward_prefetch = c.forward_prefetch;
-  opts.prefetch_count = c.prefetch_count;
-  opts.limit_all_gathers = c.limit_all_gathers;
-  opts.sync_module_states = c.sync_module_states;
-  if (c.mixed_precision != "none") {
-    const auto dtype = fsdp::parse_dtype(c.mixed_precision);
-    opts.mixed_precision = fsdp::MixedPrecision{dtype, dtype, dtype, false};
-  }
+  const fsdp::Options opts = fsdp_options(c);
   if (c.local && c.mixed_precision != "none") throw std::invalid_argument("--mixed-precision needs fsdp; drop --local");
   // fp16's narrow range needs loss scaling; bf16 has fp32's range and does not.
   std::optional<fsdp::ShardedGradScaler> scaler;

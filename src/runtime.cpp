@@ -306,8 +306,8 @@ void Runtime::on_touch(size_t unit, const c10::TensorImpl* tensor) {
         }
         if (current_unit_ != unit && !forward_span_[unit]) forward_begins(unit);
         current_unit_ = unit;
-      } else if (!forward_span_[unit] && handles_[unit]->state() != HandleState::UNSHARDED) {
-        forward_begins(unit);  // the root, at its first operator
+      } else if (!forward_span_[unit]) {
+        forward_begins(unit);  // the root, at its first operator of each forward
       }
       use(unit, false);
       if (c10::GradMode::is_enabled()) {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -54,6 +55,24 @@ inline nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("missing result file " + path);
   return nlohmann::json::parse(in);
+}
+
+// Runs `fsdp-test-worker MODE` on `world` local ranks and reads each rank's result file.
+struct RankResults {
+  Run run;
+  std::vector<nlohmann::json> ranks;  // empty when the run failed
+};
+inline RankResults run_ranks(const std::string& mode, int world, const std::string& flags) {
+  const std::string out = temp_prefix(mode);
+  RankResults r;
+  r.run = sh(worker() + " " + mode + " --nproc-per-node " + std::to_string(world) + " " + flags + " --out " + out);
+  if (r.run.exit_code != 0) return r;
+  for (int i = 0; i < world; ++i) {
+    const std::string path = out + "." + std::to_string(i) + ".json";
+    r.ranks.push_back(read_json(path));
+    std::remove(path.c_str());
+  }
+  return r;
 }
 
 }  // namespace fsdp_test

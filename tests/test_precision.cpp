@@ -14,17 +14,9 @@ namespace {
 using json = nlohmann::json;
 
 std::vector<json> run_worker(const std::string& mode, int world, const std::string& flags) {
-  const std::string out = fsdp_test::temp_prefix(mode);
-  auto run = fsdp_test::sh(fsdp_test::worker() + " " + mode + " --nproc-per-node " + std::to_string(world) + " " + flags +
-                           " --out " + out);
-  EXPECT_EQ(run.exit_code, 0) << run.output;
-  std::vector<json> ranks;
-  if (run.exit_code != 0) return ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(fsdp_test::read_json(out + "." + std::to_string(r) + ".json"));
-    std::remove((out + "." + std::to_string(r) + ".json").c_str());
-  }
-  return ranks;
+  auto r = fsdp_test::run_ranks(mode, world, flags);
+  EXPECT_EQ(r.run.exit_code, 0) << r.run.output;
+  return r.ranks;
 }
 
 struct PrecisionCase {
