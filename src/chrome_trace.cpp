@@ -38,7 +38,7 @@ void write_chrome_trace(const std::string& path, const std::vector<Span>& spans,
   }
   auto us = [t0](int64_t ns) { return static_cast<double>(ns - t0) / 1000.0; };
   auto unit_name = [&](int u) {
-    if (u < 0 || u >= static_cast<int>(unit_names.size())) return std::string();
+    if (u < 0 || u >= static_cast<int>(unit_names.size())) return std::string("(whole model)");  // e.g. the norm
     return unit_names[static_cast<size_t>(u)].empty() ? std::string("<root>") : unit_names[static_cast<size_t>(u)];
   };
 

@@ -22,18 +22,21 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (unscaled_) throw std::logic_error("fsdp: ShardedGradScaler::unscale_ called twice in one step; call update() after step()");
   at::NoGradGuard no_grad;
   const double inv = 1.0 / scale_;
-  bool local_inf = false;
+  // Overflow flags stay on the gradients' device until the end: one host sync per step, not per
+  // tensor.
+  at::Tensor local_inf;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       at::Tensor g = p.mutable_grad();
       if (!g.defined()) continue;
-      // One check per tensor on the device; a scalar comes back per tensor, not per element.
-      if (!local_inf && !at::isfinite(g).all().item<bool>()) local_inf = true;
+      at::Tensor bad = at::logical_not(at::isfinite(g).all());
+      local_inf = local_inf.defined() ? at::logical_or(local_inf, bad.to(local_inf.device())) : bad;
       g.mul_(inv);
     }
   }
-  // One rank's overflow skips the step on every rank: the flag is summed over the world.
-  at::Tensor flag = at::full({1}, local_inf ? 1.0f : 0.0f, at::kFloat);
+  // One rank's overflow skips the step on every rank: the flag is summed over the world (on the
+  // CPU, where the world group is).
+  at::Tensor flag = local_inf.defined() ? local_inf.to(at::kCPU, at::kFloat).reshape({1}) : at::zeros({1}, at::kFloat);
   std::vector<at::Tensor> one{flag};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
