@@ -136,7 +136,8 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
       if (schema.arguments()[i].name() == "device") device_arg = i;
     }
     const bool cpu = device_arg && (args[*device_arg].isNone() || args[*device_arg].toDevice().is_cpu());
-    if (any_tensor || !device_arg || !cpu || schema.returns().size() != 1) {
+    const bool returns_tensor = schema.returns().size() == 1 && schema.returns()[0].type()->kind() == c10::TypeKind::TensorType;
+    if (any_tensor || !device_arg || !cpu || !returns_tensor) {
       call(op, stack);  // anything else runs as usual
       return;
     }

@@ -200,16 +200,17 @@ void FlatParamHandle::begin_reduce(bool no_sync, bool backward_pass) {
     got[i] = any = true;
   }
   if (no_sync) {
-    // Gradient accumulation without communication (§3.3.4): keep the unsharded sum locally.
+    // Gradient accumulation without communication (§3.3.4): keep the unsharded sum locally, in
+    // the sharded parameters' dtype, so that many low-precision micro-batches do not round away.
     if (!any) return;
-    if (no_sync_accum_.defined()) no_sync_accum_.add_(flat); else no_sync_accum_ = flat;
+    if (no_sync_accum_.defined()) no_sync_accum_.add_(flat); else no_sync_accum_ = flat.to(shard_.scalar_type());
     for (size_t i = 0; i < got.size(); ++i) {
       if (got[i]) no_sync_got_[i] = true;
     }
     return;
   }
   if (no_sync_accum_.defined()) {
-    if (flat.defined()) flat.add_(no_sync_accum_); else flat = no_sync_accum_;
+    if (flat.defined()) flat.add_(no_sync_accum_); else flat = no_sync_accum_.to(reduce_dtype_);
     no_sync_accum_ = at::Tensor();
     for (size_t i = 0; i < got.size(); ++i) got[i] = got[i] || no_sync_got_[i];
     std::fill(no_sync_got_.begin(), no_sync_got_.end(), false);

@@ -66,12 +66,10 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
   mesh_->check_same_on_all_ranks("the model structure (parameter names, shapes, dtypes) or the FSDP options",
                                  fnv1a(desc.str()), desc.str());
 
-  // Gloo for CPU parameters, NCCL for CUDA parameters.
-  const c10::DeviceType device = plans_.empty() || plans_[0].params.empty() ? c10::DeviceType::CPU
-                                                                          : plans_[0].params[0].device().type();
+  // Where the shards will live: the parameters' device, the CPU for a deferred (meta) model, or
+  // init_device. Its type picks the backend: Gloo for CPU, NCCL for CUDA.
   const bool deferred = !plans_.empty() && !plans_[0].params.empty() && plans_[0].params[0].is_meta();
-  device_ = plans_.empty() || plans_[0].params.empty() ? c10::Device(c10::kCPU) : plans_[0].params[0].device();
-  if (deferred) device_ = c10::Device(c10::kCPU);
+  device_ = plans_.empty() || plans_[0].params.empty() || deferred ? c10::Device(c10::kCPU) : plans_[0].params[0].device();
   if (options_.init_device) device_ = *options_.init_device;
   if (deferred) {
     if (options_.sync_module_states) {
@@ -81,7 +79,7 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Mesh> 
     }
     materialize_buffers();
   }
-  const ShardingGroups& groups = mesh_->groups(shard_size_, device);
+  const ShardingGroups& groups = mesh_->groups(shard_size_, device_.type());
   TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
   streams_ = std::make_unique<CommStreams>(device_);
   limiter_ = std::make_unique<RateLimiter>(options_.limit_all_gathers, /*device_frees=*/streams_->active());
@@ -141,8 +139,7 @@ void Runtime::materialize_buffers() {
 
 void Runtime::broadcast_module_states() {
   // Rank 0's values win; parameters and buffers in registration order, which the fingerprint
-  // above has already shown to be the same on every rank. One group of all W ranks on the
-  // parameters' device (Gloo for CPU, NCCL for CUDA).
+  // above has already shown to be the same on every rank. One group of all W ranks.
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> tensors;
   std::set<const c10::TensorImpl*> seen;  // a tied weight once
@@ -153,7 +150,8 @@ void Runtime::broadcast_module_states() {
     if (b.defined()) tensors.push_back(b.detach());
   }
   if (tensors.empty() || mesh_->world_size() == 1) return;
-  const GroupPtr& group = mesh_->groups(mesh_->world_size(), device_.type()).shard;
+  // On the tensors' own device (they have not moved to init_device yet).
+  const GroupPtr& group = mesh_->groups(mesh_->world_size(), tensors[0].device().type()).shard;
   for (auto& t : tensors) {
     std::vector<at::Tensor> one{t};
     c10d::BroadcastOptions opts;
