@@ -430,12 +430,27 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, 
   for (int step = 0; step < 3; ++step) {
     sharded.reset_step();
     opt.zero_grad();
-    auto loss = gpt_loss([&](const torch::Tensor& x) {
+    auto fwd = [&](const torch::Tensor& x) {
       auto logits = sharded.forward(x);
       logits_dtype = fsdp::dtype_name(logits.scalar_type());
       return logits;
-    }, step, rank * per, rank * per + per);
-    loss.backward();
+    };
+    // "accum": the rank's slice as two weighted micro-batches, the first under no_sync.
+    const bool accum = a.variants == "accum";
+    auto halves = [&](int r) {
+      const int64_t b = r * per, mid = b + per / 2, e = b + per;
+      return std::make_tuple(b, mid, e, double(mid - b) / per, double(e - mid) / per);
+    };
+    if (accum) {
+      const auto [b, mid, e, w1, w2] = halves(rank);
+      {
+        auto guard = sharded.no_sync();
+        (gpt_loss(fwd, step, b, mid) * w1).backward();
+      }
+      (gpt_loss(fwd, step, mid, e) * w2).backward();
+    } else {
+      gpt_loss(fwd, step, rank * per, rank * per + per).backward();
+    }
     for (const auto& p : my_unique) {
       if (p.grad().defined()) grad_dtypes.insert(fsdp::dtype_name(p.grad().scalar_type()));
       param_dtypes.insert(fsdp::dtype_name(p.scalar_type()));
@@ -455,14 +470,32 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, 
         work_params[i].second.set_data(ref_params[i].second.detach().to(pd));
         work_params[i].second.mutable_grad().reset();
       }
-      {
+      auto work_fwd = [&](const torch::Tensor& x) { return work->forward(x); };
+      std::vector<torch::Tensor> accum_grads(ref_params.size());
+      if (accum) {
+        // The first micro-batch's gradients, kept in fp32 as fsdp's no_sync accumulator does.
+        const auto [b, mid, e, w1, w2] = halves(r);
+        {
+          torch::AutoGradMode grad_on(true);
+          (gpt_loss(work_fwd, step, b, mid) * w1).backward();
+        }
+        for (size_t i = 0; i < ref_params.size(); ++i) {
+          auto g = work_params[i].second.grad();
+          if (g.defined()) accum_grads[i] = g.to(rd).to(torch::kFloat);
+          work_params[i].second.mutable_grad().reset();
+        }
         torch::AutoGradMode grad_on(true);
-        gpt_loss([&](const torch::Tensor& x) { return work->forward(x); }, step, r * per, r * per + per).backward();
+        (gpt_loss(work_fwd, step, mid, e) * w2).backward();
+      } else {
+        torch::AutoGradMode grad_on(true);
+        gpt_loss(work_fwd, step, r * per, r * per + per).backward();
       }
       for (size_t i = 0; i < ref_params.size(); ++i) {
         auto g = work_params[i].second.grad();
-        if (!g.defined()) continue;
-        auto part = g.to(rd) / W;
+        if (!g.defined() && !accum_grads[i].defined()) continue;
+        auto flat = g.defined() ? g.to(rd) : torch::zeros_like(accum_grads[i], torch::TensorOptions().dtype(rd));
+        if (accum_grads[i].defined()) flat.add_(accum_grads[i]);
+        auto part = flat / W;
         sum[i] = sum[i].defined() ? sum[i] + part : part;
       }
     }
