@@ -519,7 +519,8 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, 
               {"num_batches_tracked_dtype", fsdp::dtype_name(zoo->norm->num_batches_tracked.scalar_type())},
               {"all_gather_dtypes", ag_dtypes}, {"reduce_scatter_dtypes", rs_dtypes},
               {"fp32_all_gather_bytes", fp32_bytes.all_gather}, {"fp32_reduce_scatter_bytes", fp32_bytes.reduce_scatter},
-              {"all_gather_bytes", mp_bytes.all_gather}, {"reduce_scatter_bytes", mp_bytes.reduce_scatter}};
+              {"all_gather_bytes", mp_bytes.all_gather}, {"reduce_scatter_bytes", mp_bytes.reduce_scatter},
+              {"fp32_all_reduce_bytes", fp32_bytes.all_reduce}, {"all_reduce_bytes", mp_bytes.all_reduce}};
 }
 
 json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const Args& a) {

@@ -48,12 +48,13 @@ TEST_P(Precision, MatchesReplayedCastsAndCarriesTheDtypes) {
     EXPECT_EQ(j["grad_dtypes"], json::array({c.keep_low_grads ? c.param : std::string("fp32")})) << what;
     EXPECT_EQ(j["running_mean_dtype"], c.param) << "floating buffers are cast to buffer_dtype; " << what;
     EXPECT_EQ(j["num_batches_tracked_dtype"], "Long") << "integer buffers stay; " << what;
-    // Half the bytes of fp32 for every 2-byte dtype, to the byte (the fp32 baseline is one forward
-    // and one backward: the accumulation case runs two micro-batches, so it is compared elsewhere).
+    // Half the bytes of fp32 for every 2-byte dtype, to the byte. The fp32 baseline is one forward
+    // and one backward, so the accumulation case (two micro-batches) is left out of this check.
     if (c.flags.find("accum") != std::string::npos) continue;
     EXPECT_EQ(2 * j["all_gather_bytes"].get<int64_t>(), j["fp32_all_gather_bytes"].get<int64_t>()) << what;
     const int64_t rs_factor = c.reduce == "fp32" ? 1 : 2;
     EXPECT_EQ(rs_factor * j["reduce_scatter_bytes"].get<int64_t>(), j["fp32_reduce_scatter_bytes"].get<int64_t>()) << what;
+    EXPECT_EQ(rs_factor * j["all_reduce_bytes"].get<int64_t>(), j["fp32_all_reduce_bytes"].get<int64_t>()) << what;
   }
 }
 
