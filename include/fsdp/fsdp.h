@@ -60,6 +60,7 @@ double clip_grad_norm(Runtime& rt, double max_norm);
 std::vector<UnitInfo> units(const Runtime& rt);
 int shard_size(const Runtime& rt);
 std::vector<Span> timeline(const Runtime& rt);
+void write_trace(const Runtime& rt, const std::string& path);
 // Mixed precision's param_dtype, which floating-point forward inputs are cast to.
 std::optional<c10::ScalarType> input_dtype(const Runtime& rt);
 
@@ -74,7 +75,6 @@ decltype(auto) cast_input(const std::optional<c10::ScalarType>& dtype, T&& arg) 
     return std::forward<T>(arg);
   }
 }
-void write_trace(const Runtime& rt, const std::string& path);
 
 inline void collect(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
 inline void collect(const std::vector<at::Tensor>& v, std::vector<at::Tensor>& out) {
