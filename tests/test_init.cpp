@@ -32,8 +32,8 @@ TEST(SyncModuleStates, DifferentlySeededRanksStartEqual) {
 // The 8-block GPT and a model initialized the libtorch way (kaiming defaults of Conv2d and Linear,
 // xavier_normal_ and kaiming_normal_ calls, a padding row zeroed through a view, torch::randn,
 // BatchNorm buffers): built with deferred_init and sharded, every shard and buffer equals the
-// normal construction's bit for bit, and the random number generator continues from the same
-// state afterwards.
+// normal construction's bit for bit, the random number generator continues from the same state
+// afterwards, and two training steps (GPT) keep the two models bitwise equal.
 TEST(DeferredInit, EqualsNormalConstructionBitForBit) {
   for (const std::string model : {"gpt", "zoo"}) {
     for (int world : {2, 3}) {
@@ -44,6 +44,7 @@ TEST(DeferredInit, EqualsNormalConstructionBitForBit) {
         EXPECT_TRUE(j["was_deferred"].get<bool>()) << "every parameter must be unallocated before sharding; " << what;
         EXPECT_TRUE(j["bitwise_equal"].get<bool>()) << what;
         EXPECT_TRUE(j["rng_continues_equal"].get<bool>()) << what;
+        EXPECT_TRUE(j["trains_equal"].get<bool>()) << "two SGD steps after materialization; " << what;
         const std::string refusal = j["refusal"];
         EXPECT_NE(refusal.find("aten::sum"), std::string::npos) << "a constructor reading a deferred value is refused, "
                                                                    "naming the operator: " << refusal;
