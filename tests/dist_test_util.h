@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 namespace fsdp_test {
@@ -73,6 +74,13 @@ inline RankResults run_ranks(const std::string& mode, int world, const std::stri
     std::remove(path.c_str());
   }
   return r;
+}
+
+// run_ranks for a test that needs the run to succeed: a failure is reported with its output.
+inline std::vector<nlohmann::json> expect_ranks(const std::string& mode, int world, const std::string& flags) {
+  auto r = run_ranks(mode, world, flags);
+  EXPECT_EQ(r.run.exit_code, 0) << r.run.output;
+  return r.ranks;
 }
 
 }  // namespace fsdp_test

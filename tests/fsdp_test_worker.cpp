@@ -32,6 +32,8 @@
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
 #include <fstream>
+#include <functional>
+#include <map>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
@@ -796,28 +798,14 @@ int run(const Args& a) {
                                   {"peak_unsharded_params", plan.peak_unsharded_params}, {"shard_size", plan.shard_size}}}});
     return 0;
   }
-  if (a.mode == "overlap") {
-    write(a, rank, run_overlap(mesh, options_from(a)));
-    return 0;
-  }
-  if (a.mode == "deferred") {
-    write(a, rank, run_deferred(mesh, options_from(a), a));
-    return 0;
-  }
-  if (a.mode == "precision") {
-    write(a, rank, run_precision(mesh, options_from(a), a));
-    return 0;
-  }
-  if (a.mode == "scaler") {
-    write(a, rank, run_scaler(mesh, options_from(a), a));
-    return 0;
-  }
-  if (a.mode == "sync") {
-    write(a, rank, run_sync(mesh, options_from(a), a));
-    return 0;
-  }
-  if (a.mode == "dynamic") {
-    write(a, rank, run_dynamic(mesh, options_from(a)));
+  // Modes that run on the sharded model and write one JSON result per rank.
+  using Mode = std::function<json(const std::shared_ptr<fsdp::Mesh>&, fsdp::Options, const Args&)>;
+  const std::map<std::string, Mode> modes = {
+      {"overlap", [](const auto& m, auto o, const Args&) { return run_overlap(m, o); }},
+      {"dynamic", [](const auto& m, auto o, const Args&) { return run_dynamic(m, o); }},
+      {"deferred", run_deferred}, {"precision", run_precision}, {"scaler", run_scaler}, {"sync", run_sync}};
+  if (auto it = modes.find(a.mode); it != modes.end()) {
+    write(a, rank, it->second(mesh, options_from(a), a));
     return 0;
   }
   if (a.mode == "structure") {

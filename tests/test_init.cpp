@@ -8,23 +8,18 @@ namespace {
 
 using json = nlohmann::json;
 
-std::vector<json> run_worker(const std::string& mode, int world, const std::string& flags) {
-  auto r = fsdp_test::run_ranks(mode, world, flags);
-  EXPECT_EQ(r.run.exit_code, 0) << r.run.output;
-  return r.ranks;
-}
 
 // Ranks seeded differently: with sync_module_states every rank holds rank 0's weights and trains
 // like local training from them; without it (the control) they do not.
 TEST(SyncModuleStates, DifferentlySeededRanksStartEqual) {
   const int world = 3;
-  const auto synced = run_worker("sync", world, "--sync-module-states 1");
+  const auto synced = fsdp_test::expect_ranks("sync", world, "--sync-module-states 1");
   ASSERT_EQ(synced.size(), static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(synced[static_cast<size_t>(r)]["initial_diff"].get<double>(), 0.0) << "rank " << r;
     EXPECT_LE(synced[static_cast<size_t>(r)]["max_param_diff"].get<double>(), 1e-5) << "rank " << r;
   }
-  const auto unsynced = run_worker("sync", world, "--sync-module-states 0");
+  const auto unsynced = fsdp_test::expect_ranks("sync", world, "--sync-module-states 0");
   ASSERT_EQ(unsynced.size(), static_cast<size_t>(world));
   EXPECT_GT(unsynced[1]["initial_diff"].get<double>(), 1e-3) << "the control must start apart";
 }
@@ -37,7 +32,7 @@ TEST(SyncModuleStates, DifferentlySeededRanksStartEqual) {
 TEST(DeferredInit, EqualsNormalConstructionBitForBit) {
   for (const std::string model : {"gpt", "zoo"}) {
     for (int world : {2, 3}) {
-      const auto ranks = run_worker("deferred", world, "--model " + model);
+      const auto ranks = fsdp_test::expect_ranks("deferred", world, "--model " + model);
       ASSERT_EQ(ranks.size(), static_cast<size_t>(world));
       for (const auto& j : ranks) {
         const std::string what = model + " W=" + std::to_string(world) + " " + j.dump();
@@ -58,7 +53,7 @@ TEST(DeferredInit, EqualsNormalConstructionBitForBit) {
 // generator states recorded for units not materialized yet (about 5 KB per random op); normal
 // construction holds the whole model plus the shards.
 TEST(DeferredInit, PeakMemoryStaysWithinLargestUnitPlusShards) {
-  const auto ranks = run_worker("deferred", 2, "--model gpt");
+  const auto ranks = fsdp_test::expect_ranks("deferred", 2, "--model gpt");
   ASSERT_EQ(ranks.size(), 2u);
   for (const auto& j : ranks) {
     const int64_t bound = j["largest_unit_bytes"].get<int64_t>() + j["shard_bytes"].get<int64_t>() + 256 * 1024;

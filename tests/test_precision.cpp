@@ -13,11 +13,6 @@ namespace {
 
 using json = nlohmann::json;
 
-std::vector<json> run_worker(const std::string& mode, int world, const std::string& flags) {
-  auto r = fsdp_test::run_ranks(mode, world, flags);
-  EXPECT_EQ(r.run.exit_code, 0) << r.run.output;
-  return r.ranks;
-}
 
 struct PrecisionCase {
   std::string param, reduce;
@@ -33,7 +28,7 @@ class Precision : public testing::TestWithParam<PrecisionCase> {};
 
 TEST_P(Precision, MatchesReplayedCastsAndCarriesTheDtypes) {
   const auto& c = GetParam();
-  const auto ranks = run_worker("precision", c.world, "--param-dtype " + c.param + " --reduce-dtype " + c.reduce +
+  const auto ranks = fsdp_test::expect_ranks("precision", c.world, "--param-dtype " + c.param + " --reduce-dtype " + c.reduce +
                                                          " --keep-low-grads " + (c.keep_low_grads ? "1" : "0") + " " + c.flags);
   ASSERT_EQ(ranks.size(), static_cast<size_t>(c.world));
   for (int r = 0; r < c.world; ++r) {
@@ -75,7 +70,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Precision,
 // scale grows again after growth_interval (2) good steps.
 TEST(ShardedGradScaler, InfOnOneRankSkipsTheStepEverywhere) {
   const int world = 3;
-  const auto ranks = run_worker("scaler", world, "--inf-rank 1");
+  const auto ranks = fsdp_test::expect_ranks("scaler", world, "--inf-rank 1");
   ASSERT_EQ(ranks.size(), static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
     const auto& steps = ranks[static_cast<size_t>(r)]["steps"];
