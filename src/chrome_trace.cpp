@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "fsdp/trace.h"
+#include "chrome_trace.h"
 
 namespace fsdp {
 namespace {

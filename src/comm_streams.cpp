@@ -27,7 +27,7 @@ CommStreams::Issue::Issue(const CommStreams& streams, CommKind kind) {
   guard_.emplace(target);
 }
 
-std::optional<c10::Event> CommStreams::mark_compute() const {
+std::optional<c10::Event> CommStreams::record_current() const {
   if (!active_) return std::nullopt;
   c10::Event e(device_.type());
   e.record(current_stream(device_));

@@ -43,9 +43,10 @@ class CommStreams {
     std::optional<c10::StreamGuard> guard_;
   };
 
-  // An event on the compute stream after everything enqueued so far (nullopt on CPU): when it has
-  // completed, buffers freed up to now are no longer read by the device.
-  std::optional<c10::Event> mark_compute() const;
+  // An event on the current stream after everything enqueued on it so far (nullopt on CPU). On
+  // the compute stream: once it has completed, buffers freed up to now are no longer read by the
+  // device. Inside an Issue scope: the collective just issued has completed.
+  std::optional<c10::Event> record_current() const;
 
  private:
   c10::Device device_;

@@ -8,6 +8,7 @@
 // nothing else in a C++ process registers. It sits above autograd, so operators are seen as
 // called, before any autograd or backend kernel.
 #include "fsdp/deferred_init.h"
+#include "deferred_init_internal.h"
 
 #include <mutex>
 #include <stdexcept>
@@ -205,18 +206,16 @@ TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
 
 }  // namespace
 
-namespace detail {
-DeferredInitScope::DeferredInitScope(bool record) : previous_record_(t_record), previous_active_(t_active) {
+DeferredInitGuard::DeferredInitGuard(bool record) : previous_record_(t_record), previous_active_(t_active) {
   t_record = record;
   t_active = true;
   c10::impl::tls_set_dispatch_key_included(kDeferredKey, true);
 }
-DeferredInitScope::~DeferredInitScope() {
+DeferredInitGuard::~DeferredInitGuard() {
   t_record = previous_record_;
   t_active = previous_active_;
   c10::impl::tls_set_dispatch_key_included(kDeferredKey, previous_active_);
 }
-}  // namespace detail
 
 bool is_deferred(const at::Tensor& t) { return recipe_of(t) != nullptr; }
 

@@ -33,9 +33,6 @@ class ExecutionOrder {
     return next(previous_pre_, unit, count, /*forward=*/true, skip);
   }
 
-  const std::vector<size_t>& pre_forward() const { return pre_; }
-  const std::vector<size_t>& post_forward() const { return post_; }
-
  private:
   template <typename Skip>
   static std::vector<size_t> next(const std::vector<size_t>& order, size_t unit, int count, bool forward, Skip skip) {

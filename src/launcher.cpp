@@ -26,8 +26,7 @@ int exit_code_of(int status) {
   return 1;
 }
 
-}  // namespace
-
+// A free TCP port on 127.0.0.1 for the job's store.
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) throw std::runtime_error("fsdp: socket() failed while picking a free port");
@@ -45,6 +44,8 @@ int free_port() {
   ::close(fd);
   return port;
 }
+
+}  // namespace
 
 int launch_local(int nproc, const std::vector<std::string>& argv, int master_port) {
   if (nproc < 1) throw std::invalid_argument("fsdp: --nproc-per-node must be at least 1");

@@ -5,6 +5,8 @@
 #include <sstream>
 
 #include "flat_param.h"
+#include "mesh_info.h"
+#include "precision.h"
 #include "unit_decomposition.h"
 
 namespace fsdp {
@@ -23,11 +25,8 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     std::vector<std::vector<int64_t>> shapes;
     for (const auto& p : u.params) shapes.push_back(p.sizes().vec());
     FlatParamLayout layout(u.fqns, shapes, F);
-    const auto master = u.params[0].scalar_type();
-    const bool mixed = options.mixed_precision && at::isFloatingType(master);
-    const auto compute = mixed ? options.mixed_precision->param_dtype : master;
-    const auto reduce = mixed ? options.mixed_precision->reduce_dtype : master;
-    const auto grad = mixed && options.mixed_precision->keep_low_precision_grads ? compute : master;
+    const UnitDtypes dt = unit_dtypes(u.params[0].scalar_type(), options.mixed_precision);
+    const auto master = dt.master, compute = dt.compute, reduce = dt.reduce, grad = dt.grad;
     const int64_t me = static_cast<int64_t>(c10::elementSize(master));
     plan.master_dtype = dtype_name(master);
     plan.param_dtype = dtype_name(compute);

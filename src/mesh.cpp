@@ -1,4 +1,4 @@
-#include "fsdp/mesh.h"
+#include "mesh_state.h"
 
 #include <cstdlib>
 #include <sstream>
@@ -75,20 +75,30 @@ LaunchEnv LaunchEnv::from_environment() {
   return e;
 }
 
+Mesh::Mesh(std::unique_ptr<detail::MeshState> state) : state_(std::move(state)) {}
+Mesh::~Mesh() = default;
+
+int Mesh::rank() const { return state_->env.rank; }
+int Mesh::world_size() const { return state_->env.world_size; }
+const LaunchEnv& Mesh::env() const { return state_->env; }
+const c10::intrusive_ptr<c10d::Backend>& Mesh::world() const { return state_->world; }
+
 std::shared_ptr<Mesh> Mesh::single_process() {
-  std::shared_ptr<Mesh> mesh(new Mesh(LaunchEnv{}, MeshOptions{}));
-  mesh->store_ = c10::make_intrusive<c10d::HashStore>();
-  mesh->world_ = mesh->make_group("world", 0, 1);
-  return mesh;
+  auto state = std::make_unique<detail::MeshState>();
+  state->store = c10::make_intrusive<c10d::HashStore>();
+  state->world = state->make_group("world", 0, 1, c10::DeviceType::CPU);
+  return std::shared_ptr<Mesh>(new Mesh(std::move(state)));
 }
 
 std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   if (env.world_size == 1) {
     auto mesh = single_process();
-    mesh->options_ = options;
+    mesh->state_->options = options;
     return mesh;
   }
-  std::shared_ptr<Mesh> mesh(new Mesh(env, options));
+  auto state = std::make_unique<detail::MeshState>();
+  state->env = env;
+  state->options = options;
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
@@ -98,7 +108,7 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
   const std::string secs = std::to_string(options.init_timeout.count() / 1000);
   try {
-    mesh->store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    state->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
   } catch (const std::exception& e) {
     throw std::runtime_error(
         "fsdp: rank " + std::to_string(env.rank) + " could not rendezvous at " + where + " within " +
@@ -111,11 +121,11 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   // Every rank states the world size it was launched with; a mismatch is reported by every rank
   // that can see it, before any process group waits for ranks that will never come.
   const std::string mine = std::to_string(env.world_size);
-  mesh->store_->set("fsdp/launch/" + std::to_string(env.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  state->store->set("fsdp/launch/" + std::to_string(env.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   for (int r = 0; r < env.world_size; ++r) {
     std::vector<uint8_t> theirs;
     try {
-      theirs = mesh->store_->get("fsdp/launch/" + std::to_string(r));
+      theirs = state->store->get("fsdp/launch/" + std::to_string(r));
     } catch (const std::exception& e) {
       throw std::runtime_error("fsdp: rank " + std::to_string(r) + " never arrived at " + where +
                                " within " + secs + " s; start all " + mine + " ranks. (" + e.what() + ")");
@@ -127,29 +137,31 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
                                " has WORLD_SIZE=" + s + ". Launch every rank with the same WORLD_SIZE.");
     }
   }
-  mesh->world_ = mesh->make_group("world", env.rank, env.world_size);
-  return mesh;
+  state->world = state->make_group("world", env.rank, env.world_size, c10::DeviceType::CPU);
+  return std::shared_ptr<Mesh>(new Mesh(std::move(state)));
 }
 
-GroupPtr Mesh::make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device) {
+namespace detail {
+
+GroupPtr MeshState::make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device) {
   if (device == c10::DeviceType::CUDA) {
 #ifdef USE_C10D_NCCL
     if (c10::cuda::device_count() == 0) {
       throw std::runtime_error("fsdp: parameters are CUDA tensors but no GPU is visible on rank " +
-                               std::to_string(env_.rank) + "; move the model to the CPU or run where GPUs are");
+                               std::to_string(env.rank) + "; move the model to the CPU or run where GPUs are");
     }
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(env_.local_rank % c10::cuda::device_count()));
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank % c10::cuda::device_count()));
     auto opts = c10d::ProcessGroupNCCL::Options::create();
-    opts->timeout = options_.collective_timeout;
+    opts->timeout = options.collective_timeout;
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(
-        c10::make_intrusive<c10d::PrefixStore>("fsdp/nccl/" + name, store_), group_rank, group_size, opts);
+        c10::make_intrusive<c10d::PrefixStore>("fsdp/nccl/" + name, store), group_rank, group_size, opts);
 #else
     throw std::runtime_error("fsdp: this build has no NCCL (libtorch without CUDA); CUDA parameters need a CUDA build");
 #endif
   }
-  auto opts = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
+  auto opts = c10d::ProcessGroupGloo::Options::create(options.collective_timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  if (env_.world_size > 1 && env_.master_addr != "127.0.0.1" && env_.master_addr != "localhost") {
+  if (env.world_size > 1 && env.master_addr != "127.0.0.1" && env.master_addr != "localhost") {
     // Multi-node: bind to the interface that reaches the master, not loopback.
     opts->devices.clear();
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
@@ -157,60 +169,52 @@ GroupPtr Mesh::make_group(const std::string& name, int group_rank, int group_siz
   opts->threads = kGlooThreadsPerGroup;
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("fsdp/pg/" + name, store_), group_rank, group_size, opts);
+        c10::make_intrusive<c10d::PrefixStore>("fsdp/pg/" + name, store), group_rank, group_size, opts);
   } catch (const std::exception& e) {
     throw std::runtime_error("fsdp: could not build process group '" + name + "' on rank " +
-                             std::to_string(env_.rank) + ": a peer rank did not arrive or exited. (" +
+                             std::to_string(env.rank) + ": a peer rank did not arrive or exited. (" +
                              e.what() + ")");
   }
 }
 
-const ShardingGroups& Mesh::groups(int shard_size) { return groups(shard_size, c10::DeviceType::CPU); }
-
-const ShardingGroups& Mesh::groups(int shard_size, c10::DeviceType device) {
+const ShardGroups& MeshState::groups_for(int shard_size, c10::DeviceType device) {
   const auto key = std::make_pair(shard_size, static_cast<int>(device));
-  auto it = groups_.find(key);
-  if (it != groups_.end()) return it->second;
-  const int W = env_.world_size;
-  if (shard_size < 1 || shard_size > W || W % shard_size != 0) {
-    throw std::invalid_argument("fsdp: sharding factor F=" + std::to_string(shard_size) +
-                                " does not divide the world size W=" + std::to_string(W) +
-                                ". Choose F among the divisors of W (F=W: full sharding, F=1: "
-                                "replication, 1<F<W: hybrid sharding within groups of F ranks).");
-  }
-  ShardingGroups g;
-  g.shard_size = shard_size;
-  const int replica = env_.rank / shard_size;  // which shard group (node) this rank is in
-  const int shard_rank = env_.rank % shard_size;
+  auto it = groups.find(key);
+  if (it != groups.end()) return it->second;
+  const int W = env.world_size;
+  TORCH_INTERNAL_ASSERT(shard_size >= 1 && W % shard_size == 0, "fsdp: unvalidated sharding factor ", shard_size);
+  ShardGroups g;
+  const int replica = env.rank / shard_size;  // which shard group (node) this rank is in
+  const int shard_rank = env.rank % shard_size;
   const bool cuda = device == c10::DeviceType::CUDA;
   const std::string tag = (cuda ? "nccl/F" : "F") + std::to_string(shard_size);
-  GroupPtr world = world_;
+  GroupPtr all = world;
   if (cuda) {
-    if (!nccl_world_) nccl_world_ = make_group("world", env_.rank, W, device);
-    world = nccl_world_;
+    if (!nccl_world) nccl_world = make_group("world", env.rank, W, device);
+    all = nccl_world;
   }
-  g.shard = shard_size == W ? world
+  g.shard = shard_size == W ? all
                             : make_group(tag + "/shard/" + std::to_string(replica), shard_rank, shard_size, device);
-  g.replicate = shard_size == 1 ? world
+  g.replicate = shard_size == 1 ? all
                                 : make_group(tag + "/replicate/" + std::to_string(shard_rank), replica,
                                              W / shard_size, device);
-  return groups_.emplace(key, std::move(g)).first->second;
+  return groups.emplace(key, std::move(g)).first->second;
 }
 
-void Mesh::check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe) {
-  if (env_.world_size == 1) return;
-  const std::string key = "fsdp/check/" + std::to_string(checks_++) + "/";
-  store_->set(key + std::to_string(env_.rank), std::vector<uint8_t>(describe.begin(), describe.end()));
+void MeshState::check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe) {
+  if (env.world_size == 1) return;
+  const std::string key = "fsdp/check/" + std::to_string(checks++) + "/";
+  store->set(key + std::to_string(env.rank), std::vector<uint8_t>(describe.begin(), describe.end()));
   // All-gather the fingerprints so every rank learns whether any rank differs.
   auto mine = at::full({1}, static_cast<int64_t>(fingerprint), at::kLong);
-  auto all = at::empty({env_.world_size}, at::kLong);
-  world_->_allgather_base(all, mine)->wait();
+  auto all = at::empty({env.world_size}, at::kLong);
+  world->_allgather_base(all, mine)->wait();
   int bad = -1;
-  for (int r = 0; r < env_.world_size; ++r) {
+  for (int r = 0; r < env.world_size; ++r) {
     if (all[r].item<int64_t>() != all[0].item<int64_t>()) { bad = r; break; }
   }
   if (bad < 0) return;
-  auto text = store_->get(key + "0");
+  auto text = store->get(key + "0");
   const std::string ref(text.begin(), text.end());
   std::string diff = "";
   if (describe != ref) {
@@ -229,8 +233,9 @@ void Mesh::check_same_on_all_ranks(const std::string& what, uint64_t fingerprint
     }
   }
   throw std::runtime_error("fsdp: " + what + " differs across ranks (rank " + std::to_string(bad) +
-                           " differs from rank 0; this is rank " + std::to_string(env_.rank) + ")." + diff +
+                           " differs from rank 0; this is rank " + std::to_string(env.rank) + ")." + diff +
                            " Every rank must build the same model with the same options.");
 }
 
+}  // namespace detail
 }  // namespace fsdp

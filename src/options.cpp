@@ -57,27 +57,6 @@ std::string dtype_name(c10::ScalarType dtype) {
   }
 }
 
-int sharding_factor(const Options& options, int W, int local_world_size) {
-  int F = W;
-  switch (options.strategy) {
-    case ShardingStrategy::FULL_SHARD:
-    case ShardingStrategy::SHARD_GRAD_OP: F = W; break;
-    case ShardingStrategy::NO_SHARD: F = 1; break;
-    case ShardingStrategy::HYBRID_SHARD:
-    case ShardingStrategy::HYBRID_SHARD_ZERO2: F = options.shard_size > 0 ? options.shard_size : local_world_size; break;
-  }
-  if (F < 1 || W % F != 0) {
-    throw std::invalid_argument("fsdp: sharding factor F=" + std::to_string(F) + " (" + to_string(options.strategy) +
-                                ") does not divide the world size W=" + std::to_string(W) +
-                                "; pass a divisor of W as the shard size");
-  }
-  return F;
-}
-
-bool reshards_after_forward(ShardingStrategy strategy) {
-  return strategy == ShardingStrategy::FULL_SHARD || strategy == ShardingStrategy::HYBRID_SHARD;
-}
-
 WrapPolicy size_based_policy(int64_t min_numel) {
   return [min_numel](const std::string&, const torch::nn::Module&, int64_t unclaimed) {
     return unclaimed >= min_numel;

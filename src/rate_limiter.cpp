@@ -47,7 +47,6 @@ int64_t RateLimiter::before_issue() {
 
 void RateLimiter::issued(size_t unit, WorkPtr work) {
   entries_.push_back(Entry{unit, std::move(work), false, std::nullopt});
-  max_in_flight_ = std::max(max_in_flight_, in_flight());
 }
 
 void RateLimiter::consumed(size_t unit) {

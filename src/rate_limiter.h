@@ -35,9 +35,6 @@ class RateLimiter {
   void freed(size_t unit, std::optional<c10::Event> event);  // unit resharded (event: device free)
 
   int64_t in_flight() const { return static_cast<int64_t>(entries_.size()); }
-  int64_t max_in_flight() const { return max_in_flight_; }
-  void reset_max() { max_in_flight_ = in_flight(); }
-  int limit() const { return limit_; }
 
  private:
   struct Entry {
@@ -52,7 +49,6 @@ class RateLimiter {
   int limit_;
   bool device_frees_;
   std::deque<Entry> entries_;
-  int64_t max_in_flight_ = 0;
 };
 
 }  // namespace fsdp

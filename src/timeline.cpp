@@ -5,7 +5,6 @@
 #include <map>
 #include <queue>
 
-#include "fsdp/options.h"
 
 namespace fsdp {
 
@@ -69,15 +68,14 @@ void Timeline::add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns
   state_->groups.push_back(nullptr);
 }
 
-size_t Timeline::collective(SpanKind kind, int unit, bool backward_pass, const void* group, int64_t bytes,
-                            const WorkPtr& work, bool stamp_completion, c10::ScalarType dtype) {
-  const size_t index = begin(kind, unit, backward_pass);
+size_t Timeline::collective(Span proto, const void* group, const WorkPtr& work, bool stamp_completion) {
+  const size_t index = begin(proto.kind, proto.unit, proto.backward_pass);
   int64_t generation;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (index >= state_->spans.size()) return index;
-    state_->spans[index].bytes = bytes;
-    state_->spans[index].dtype = dtype_name(dtype);
+    state_->spans[index].bytes = proto.bytes;
+    state_->spans[index].dtype = std::move(proto.dtype);
     state_->groups[index] = group;
     generation = state_->generation;
   }

@@ -26,12 +26,10 @@ class Timeline {
   // A span already over (e.g. a wait measured by its caller).
   void add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns, int64_t end_ns,
            SpanKind waited_for = SpanKind::WAIT);
-  // Records the issue of a collective on process group `group` (any stable id). Its completion is
-  // stamped by the backend's completion callback when `stamp_completion` (Gloo completes the
-  // future when the data is there; a CUDA future completes on enqueue, so CUDA passes false and
-  // the wait stamps it instead).
-  size_t collective(SpanKind kind, int unit, bool backward_pass, const void* group, int64_t bytes,
-                    const WorkPtr& work, bool stamp_completion, c10::ScalarType dtype);
+  // Records the issue of a collective on process group `group` (any stable id): `proto` gives its
+  // kind, unit, pass, bytes and dtype. Its end is stamped by the backend's completion callback
+  // when `stamp_completion`, else by completed().
+  size_t collective(Span proto, const void* group, const WorkPtr& work, bool stamp_completion);
   // The compute thread saw the collective finish (after waiting for it).
   void completed(size_t span);
 

@@ -1,12 +1,12 @@
 #include "touch_detection.h"
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 #include <shared_mutex>
 #include <vector>
 
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 namespace fsdp {
@@ -22,20 +22,39 @@ struct Target {
 std::shared_mutex g_mutex;               // guards g_targets and g_armed (rarely written)
 std::vector<Target> g_targets;
 std::vector<TouchSink*> g_armed;
-std::atomic<long> g_inspected{0};
 at::CallbackHandle g_handle = 0;
 bool g_enabled = false;
 
 thread_local bool t_in_callback = false;     // our own collectives and copies run operators too
 thread_local bool t_forward_thread = false;
 
-void inspect(const at::Tensor& t) {
+// Whether the operator will record an autograd node: grad mode on and an input that requires grad.
+bool builds_graph(const at::RecordFunction& fn) {
+  if (!t_forward_thread || !c10::GradMode::is_enabled()) return false;
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) {
+      if (v.toTensor().requires_grad()) return true;
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) {
+        if (t.requires_grad()) return true;
+      }
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor() && e.toTensor().requires_grad()) return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Tells the sink of the unit whose storage `t` is, if any.
+void inspect(const at::Tensor& t, const at::RecordFunction& fn) {
   if (!t.defined() || !t.has_storage()) return;
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   for (const Target& target : g_targets) {
     if (target.storage != s) continue;
     if (std::find(g_armed.begin(), g_armed.end(), target.sink) == g_armed.end()) return;
-    target.sink->on_touch(target.unit, t.unsafeGetTensorImpl());
+    target.sink->on_touch(target.unit, t.unsafeGetTensorImpl(), builds_graph(fn));
     return;
   }
 }
@@ -46,17 +65,16 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   // threads, for one, also run operators on our buffers and must be left alone.
   if (!t_forward_thread && torch::autograd::get_current_graph_task_id() == -1) return nullptr;
   Suppress reentry;  // RAII: an exception never leaves the guard set
-  g_inspected.fetch_add(1, std::memory_order_relaxed);
   std::shared_lock<std::shared_mutex> lock(g_mutex);
   if (g_armed.empty()) return nullptr;
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) {
-      inspect(v.toTensor());
+      inspect(v.toTensor(), fn);
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) inspect(t);
+      for (const at::Tensor& t : v.toTensorVector()) inspect(t, fn);
     } else if (v.isList()) {
       for (const c10::IValue& e : v.toListRef()) {
-        if (e.isTensor()) inspect(e.toTensor());
+        if (e.isTensor()) inspect(e.toTensor(), fn);
       }
     }
   }
@@ -108,8 +126,6 @@ Suppress::Suppress() : previous_(t_in_callback) { t_in_callback = true; }
 Suppress::~Suppress() { t_in_callback = previous_; }
 
 void set_forward_thread(bool on) { t_forward_thread = on; }
-
-long inspected_ops() { return g_inspected.load(std::memory_order_relaxed); }
 
 }  // namespace touch
 }  // namespace fsdp

@@ -1,4 +1,4 @@
-// Knowing when a unit runs (DESIGN: "the hard part in C++"). libtorch modules have no forward
+// Knowing when a unit runs (docs/design.md: "Knowing when a unit runs"). libtorch modules have no forward
 // hooks and parents call children through typed members, so we watch operators instead: while a
 // root is inside forward or backward, a RecordFunction callback looks at each operator's input
 // tensors, and the first one whose storage is a unit's shard or unsharded buffer tells the
@@ -15,12 +15,12 @@
 
 namespace fsdp {
 
-class Runtime;
-
-// Called by the callback with the unit index the runtime registered and the touching tensor.
+// Called by the callback with the unit index the runtime registered, the touching tensor, and
+// whether the operator records an autograd node (grad mode on and some input requires grad): then
+// backward may come back for the unit's tensors. On the forward thread only; false elsewhere.
 struct TouchSink {
   virtual ~TouchSink() = default;
-  virtual void on_touch(size_t unit, const c10::TensorImpl* tensor) = 0;
+  virtual void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph) = 0;
 };
 
 namespace touch {
@@ -46,9 +46,6 @@ class Suppress {
  private:
   bool previous_;
 };
-
-// Operators inspected since the process started (a cost measure for benchmarks).
-long inspected_ops();
 
 }  // namespace touch
 }  // namespace fsdp

@@ -1,14 +1,18 @@
 #include "unit_decomposition.h"
 
+#include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "fsdp/fsdp.h"
 
 namespace fsdp {
 namespace {
+// Marks by address, each with a weak reference to its module: a mark whose module has died (or
+// whose address now holds another module) no longer counts, and is dropped at the next mark.
 std::mutex g_marks_mutex;
-std::unordered_set<const torch::nn::Module*> g_marks;
+std::unordered_map<const torch::nn::Module*, std::weak_ptr<const torch::nn::Module>> g_marks;
 
 std::string join(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
@@ -57,17 +61,27 @@ struct Decomposer {
 };
 }  // namespace
 
-void mark_unit(const torch::nn::Module& module) {
+void fully_shard(const torch::nn::Module& module) {
+  std::weak_ptr<const torch::nn::Module> owner = module.weak_from_this();
+  if (owner.expired()) {
+    throw std::invalid_argument("fsdp::fully_shard: the module is not owned by a std::shared_ptr (a module on the "
+                                "stack?). Mark modules of a model held the libtorch way: registered submodules "
+                                "or TORCH_MODULE holders.");
+  }
   std::lock_guard<std::mutex> lock(g_marks_mutex);
-  g_marks.insert(&module);
+  for (auto it = g_marks.begin(); it != g_marks.end();) {
+    it = it->second.expired() ? g_marks.erase(it) : std::next(it);
+  }
+  g_marks[&module] = std::move(owner);
 }
 
 bool is_marked_unit(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(g_marks_mutex);
-  return g_marks.count(&module) > 0;
+  auto it = g_marks.find(&module);
+  if (it == g_marks.end()) return false;
+  const auto alive = it->second.lock();
+  return alive && alive.get() == &module;
 }
-
-void fully_shard(const torch::nn::Module& module) { mark_unit(module); }
 
 std::vector<UnitPlan> decompose(torch::nn::Module& root, const WrapPolicy& policy) {
   Decomposer d{policy, {}, {}, {}};

@@ -25,7 +25,7 @@ struct UnitPlan {
   bool is_root = false;
 };
 
-void mark_unit(const torch::nn::Module& module);
+// Whether fully_shard() marked `module` (and the mark's module is still this one).
 bool is_marked_unit(const torch::nn::Module& module);
 
 // Units in claim order (inner before outer), the root unit last if it got any parameters.

@@ -26,40 +26,34 @@
 #include <ATen/ATen.h>
 
 namespace fsdp {
-namespace detail {
-// While alive, tensor factories on this thread make deferred (meta) tensors.
-class DeferredInitScope {
+
+// While alive, tensor factories on this thread make deferred tensors (meta, with the replay
+// record when `record`): what deferred_init and meta_init put around `build`. Nests.
+class DeferredInitGuard {
  public:
-  explicit DeferredInitScope(bool record);
-  ~DeferredInitScope();
-  DeferredInitScope(const DeferredInitScope&) = delete;
-  DeferredInitScope& operator=(const DeferredInitScope&) = delete;
+  explicit DeferredInitGuard(bool record);
+  ~DeferredInitGuard();
+  DeferredInitGuard(const DeferredInitGuard&) = delete;
+  DeferredInitGuard& operator=(const DeferredInitGuard&) = delete;
 
  private:
   bool previous_record_;
   bool previous_active_;
 };
-}  // namespace detail
 
 template <typename Build>
 auto deferred_init(Build&& build) -> decltype(build()) {
-  detail::DeferredInitScope scope(/*record=*/true);
+  DeferredInitGuard guard(/*record=*/true);
   return build();
 }
 
 template <typename Build>
 auto meta_init(Build&& build) -> decltype(build()) {
-  detail::DeferredInitScope scope(/*record=*/false);
+  DeferredInitGuard guard(/*record=*/false);
   return build();
 }
 
 // Whether `t` was made by deferred_init or meta_init and not materialized yet.
 bool is_deferred(const at::Tensor& t);
-// Fills `out` (a real tensor of t's shape and dtype) with the values t's recorded construction
-// gives. Throws for meta_init tensors and for views that are not a whole deferred tensor.
-void materialize_into(const at::Tensor& t, at::Tensor out);
-// Materializes `t` in place, keeping its identity (the TensorImpl and its autograd state): after
-// this it is an ordinary tensor holding `value`'s storage on value's device.
-void adopt(at::Tensor& t, const at::Tensor& value);
 
 }  // namespace fsdp

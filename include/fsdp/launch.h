@@ -20,7 +20,4 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
 // that flag and returns its exit code. Otherwise returns nullopt and the program runs as one rank.
 std::optional<int> maybe_launch_local(int argc, char** argv);
 
-// A free TCP port on 127.0.0.1 (for tests that start several worlds).
-int free_port();
-
 }  // namespace fsdp

@@ -105,11 +105,4 @@ struct Options {
   std::optional<c10::Device> init_device;
 };
 
-// The sharding factor F the options give on W ranks with `local_world_size` ranks per node.
-// Throws std::invalid_argument when F does not divide W.
-int sharding_factor(const Options& options, int world_size, int local_world_size);
-// FULL_SHARD and HYBRID_SHARD free parameters after forward; the ZeRO-2 strategies keep them.
-bool reshards_after_forward(ShardingStrategy strategy);
-
-
 }  // namespace fsdp

@@ -18,8 +18,8 @@
 
 #include <torch/nn/module.h>
 
-#include "fsdp/fsdp.h"
 #include "fsdp/options.h"
+#include "fsdp/unit_info.h"
 
 namespace fsdp {
 

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace fsdp {
 
@@ -37,10 +36,5 @@ struct Span {
     return kind == SpanKind::ALL_GATHER || kind == SpanKind::REDUCE_SCATTER || kind == SpanKind::ALL_REDUCE;
   }
 };
-
-// Writes `spans` as Chrome trace JSON (one process per rank, one track for compute and one per
-// collective worker). Unit names label the spans. Written to a temporary file, then renamed.
-void write_chrome_trace(const std::string& path, const std::vector<Span>& spans,
-                        const std::vector<std::string>& unit_names, int rank);
 
 }  // namespace fsdp

@@ -1,0 +1,60 @@
+// fsdp-train's settings: one field per command-line flag (cli.cpp), read by the modes: training
+// (training_loop.cpp), --export-init (export_init.cpp) and --plan (plan.cpp).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "fsdp/options.h"
+#include "models/data.h"
+#include "models/gpt.h"
+
+namespace train {
+
+struct Config {
+  std::string strategy = "full_shard";
+  int shard_size = 0;
+  int steps = 300;
+  int64_t global_batch = 16;
+  uint64_t seed = 1234;
+  std::string metrics_jsonl;
+  std::string data = models::kDefaultCorpus;
+  std::string model = "default";
+  int64_t block_size = 0;  // 0: the preset's
+  double lr = 2e-3;
+  double weight_decay = 0.1;
+  double clip = 1.0;
+  int log_every = 10;
+  int threads = 0;           // intra-op threads per rank; 0: the cores divided among the local ranks
+  bool local = false;        // baseline: plain libtorch training in one process, no fsdp
+  std::string export_init;   // write initial weights, batches and settings here, then exit
+  std::string device = "cpu";
+  std::string backward_prefetch = "backward_pre";
+  bool forward_prefetch = false;
+  int prefetch_count = 1;
+  int limit_all_gathers = 2;
+  std::string trace_dir;     // write each rank's Chrome trace of step `trace_step` here
+  int trace_step = 2;
+  std::string mixed_precision = "none";  // or bf16 / fp16: param and reduce dtype
+  bool sync_module_states = false;
+  bool plan = false;         // print the per-rank memory plan for plan_world ranks, then exit
+  int plan_world = 0;
+  int plan_local = 8;        // ranks per node, for the plan's hybrid strategies
+  int nproc = 0;             // --nproc-per-node (the launcher consumes it; --plan reads it)
+};
+
+// Parses argv into `c`. Returns an exit code when the program should stop (help, a bad flag).
+std::optional<int> parse_cli(int argc, char** argv, Config& c);
+
+// The GPT the flags ask for, with the vocabulary grown to the data's.
+models::GPTConfig model_config(const Config& c, const models::TokenSource& data);
+// The fsdp options the flags ask for; the GPT's blocks are the units.
+fsdp::Options fsdp_options(const Config& c);
+
+// The modes.
+int train(const Config& c);        // one rank of a training run
+int export_init(const Config& c);  // --export-init
+int plan(const Config& c);         // --plan
+
+}  // namespace train

@@ -1,0 +1,32 @@
+// fsdp-train: the main job. Trains a GPT-style decoder (plain libtorch, models/gpt.h) on real text
+// with a byte-level tokenizer, sharded with fsdp across local ranks (--nproc-per-node) or ranks
+// started by torchrun. The global batch is fixed whatever the world size, so runs at different W
+// compute the same math.
+#include <cstdlib>
+#include <iostream>
+
+#include "config.h"
+#include "fsdp/launch.h"
+
+int main(int argc, char** argv) {
+  train::Config c;
+  if (auto code = train::parse_cli(argc, argv, c)) return *code;
+  try {
+    if (!c.export_init.empty()) return train::export_init(c);
+    if (c.plan) {
+      if (c.plan_world <= 0) c.plan_world = std::max(1, c.nproc);
+      return train::plan(c);
+    }
+    if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
+    if (std::getenv("RANK") == nullptr && std::getenv("WORLD_SIZE") == nullptr) {
+      // Neither launched nor asked to launch: one local rank.
+      std::vector<std::string> args{"/proc/self/exe"};
+      for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+      return fsdp::launch_local(1, args);
+    }
+    return train::train(c);
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-train: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

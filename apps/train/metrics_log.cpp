@@ -1,0 +1,77 @@
+#include "metrics_log.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <stdexcept>
+
+namespace train {
+namespace {
+std::string mb(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f MB", bytes / 1e6);
+  return buf;
+}
+double ms_of(int64_t ns) { return static_cast<double>(ns) / 1e6; }
+}  // namespace
+
+JsonlWriter::JsonlWriter(const std::string& path) {
+  if (path.empty()) return;
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd_ < 0) throw std::runtime_error("cannot open --metrics-jsonl file '" + path + "' for appending");
+}
+
+JsonlWriter::~JsonlWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void JsonlWriter::write(const nlohmann::json& j) {
+  if (fd_ < 0) return;
+  const std::string line = j.dump() + "\n";
+  if (::write(fd_, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+    throw std::runtime_error("writing the metrics file failed");
+  }
+}
+
+nlohmann::json to_json(const StepRecord& r) {
+  const fsdp::Metrics& m = r.metrics;
+  return {{"rank", r.rank}, {"step", r.step}, {"loss", r.loss}, {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
+          {"param_bytes_resident", m.memory.sharded_params},
+          {"grad_bytes_resident", m.memory.sharded_grads},
+          {"peak_unsharded_bytes", m.memory.unsharded_peak},
+          {"comm_bytes", {{"all_gather", m.comm.all_gather}, {"reduce_scatter", m.comm.reduce_scatter},
+                          {"all_reduce", m.comm.all_reduce}}},
+          {"comm_calls", {{"all_gather", m.comm.all_gather_calls}, {"reduce_scatter", m.comm.reduce_scatter_calls},
+                          {"all_reduce", m.comm.all_reduce_calls}}},
+          {"exposed_comm_ms", ms_of(m.overlap.exposed_ns())},
+          {"exposed_all_gather_ms", ms_of(m.overlap.exposed_all_gather_ns)},
+          {"exposed_reduce_ms", ms_of(m.overlap.exposed_reduce_ns)},
+          {"rate_limiter_wait_ms", ms_of(m.overlap.rate_limiter_wait_ns)},
+          {"max_all_gathers_in_flight", m.overlap.max_all_gathers_in_flight},
+          {"device_memory", {{"allocated_peak", m.device.allocated_peak}, {"active_peak", m.device.active_peak},
+                             {"reserved_peak", m.device.reserved_peak},
+                             {"num_alloc_retries", m.device.num_alloc_retries}}}};
+}
+
+std::string progress_line(const StepRecord& r, bool sharded, bool cuda) {
+  const fsdp::Metrics& m = r.metrics;
+  char head[256];
+  std::snprintf(head, sizeof(head), "step %4d | loss %.4f | %8.0f tok/s | %7.1f ms", r.step, r.loss, r.tokens_per_s,
+                r.step_ms);
+  std::string line = std::string(head) + " | params " + mb(m.memory.sharded_params) + " resident, peak unsharded " +
+                     mb(m.memory.unsharded_peak) + " | comm AG " + mb(m.comm.all_gather) + " RS " +
+                     mb(m.comm.reduce_scatter) + " AR " + mb(m.comm.all_reduce);
+  if (sharded) {
+    char exposed[64];
+    std::snprintf(exposed, sizeof(exposed), " | exposed comm %.1f ms", ms_of(m.overlap.exposed_ns()));
+    line += exposed;
+  }
+  if (cuda) {
+    line += " | peak allocated " + mb(m.device.allocated_peak) + ", alloc retries " +
+            std::to_string(m.device.num_alloc_retries);
+  }
+  return line;
+}
+
+}  // namespace train

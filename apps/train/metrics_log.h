@@ -1,0 +1,36 @@
+// fsdp-train's per-step output: one JSON object per step per rank (--metrics-jsonl) and the
+// progress line rank 0 prints.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "fsdp/metrics.h"
+
+namespace train {
+
+// One JSON line per write() on an O_APPEND descriptor: ranks can share the file.
+class JsonlWriter {
+ public:
+  explicit JsonlWriter(const std::string& path);  // "" writes nothing
+  ~JsonlWriter();
+  JsonlWriter(const JsonlWriter&) = delete;
+  JsonlWriter& operator=(const JsonlWriter&) = delete;
+  void write(const nlohmann::json& j);
+
+ private:
+  int fd_ = -1;
+};
+
+struct StepRecord {
+  int rank = 0, step = 0;
+  double loss = 0, step_ms = 0, tokens_per_s = 0;
+  fsdp::Metrics metrics;
+};
+
+nlohmann::json to_json(const StepRecord& r);
+// "step    3 | loss 5.5362 | ... " (with the device columns when `cuda`, exposed comm when `sharded`).
+std::string progress_line(const StepRecord& r, bool sharded, bool cuda);
+
+}  // namespace train

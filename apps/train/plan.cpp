@@ -1,0 +1,35 @@
+// fsdp-train --plan: the per-rank memory plan of a GPT preset, without allocating it.
+#include <chrono>
+#include <iostream>
+
+#include <torch/torch.h>
+
+#include "config.h"
+#include "fsdp/deferred_init.h"
+#include "fsdp/plan.h"
+
+namespace train {
+
+// The per-rank memory plan of the model in fp32 and in bf16 mixed precision, computed from a
+// meta_init model: nothing is allocated, so any size can be planned on any machine.
+int plan(const Config& c) {
+  auto cfg = models::GPTConfig::preset(c.model);
+  if (c.block_size > 0) cfg.block_size = c.block_size;
+  const int W = c.plan_world;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = fsdp::meta_init([&] { return models::GPT(cfg); });
+  const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fsdp::Options opts = fsdp_options(c);
+  opts.mixed_precision.reset();  // planned both ways below
+  std::vector<fsdp::MemoryPlan> plans;
+  plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
+  opts.mixed_precision = fsdp::MixedPrecision{};  // bf16 compute and reduce, fp32 master
+  plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
+  std::cout << "fsdp-train --plan: GPT '" << c.model << "' (" << cfg.n_layer << " layers, d_model " << cfg.d_model
+            << ", " << cfg.n_head << " heads, vocab " << cfg.vocab_size << ", block " << cfg.block_size
+            << "), built with meta_init in " << build_s << " s, nothing allocated\n\n"
+            << fsdp::format_plans(plans) << std::endl;
+  return 0;
+}
+
+}  // namespace train

@@ -1,0 +1,61 @@
+#include "trainee.h"
+
+namespace train {
+namespace {
+
+class LocalTrainee final : public Trainee {
+ public:
+  LocalTrainee(models::GPT model, std::vector<torch::Tensor> unique) : model_(std::move(model)), unique_(std::move(unique)) {}
+  void begin_step() override {}
+  torch::Tensor forward(const torch::Tensor& x) override { return model_->forward(x); }
+  void clip_grad_norm(double max_norm) override { torch::nn::utils::clip_grad_norm_(unique_, max_norm); }
+  fsdp::Metrics metrics() const override {
+    fsdp::Metrics m;
+    for (const auto& p : unique_) m.memory.sharded_params += p.numel() * static_cast<int64_t>(p.element_size());
+    m.memory.sharded_grads = m.memory.sharded_params;
+    return m;
+  }
+  std::string describe() const override { return "local training (no fsdp)"; }
+  bool write_trace(const std::string&) const override { return false; }
+  bool is_sharded() const override { return false; }
+
+ private:
+  models::GPT model_;
+  std::vector<torch::Tensor> unique_;
+};
+
+class ShardedTrainee final : public Trainee {
+ public:
+  ShardedTrainee(models::GPT model, std::shared_ptr<fsdp::Mesh> mesh, fsdp::Options options, std::string strategy)
+      : fsdp_(model, std::move(mesh), std::move(options)), strategy_(std::move(strategy)) {}
+  void begin_step() override { fsdp_.reset_step(); }
+  torch::Tensor forward(const torch::Tensor& x) override { return fsdp_.forward(x); }
+  void clip_grad_norm(double max_norm) override { fsdp_.clip_grad_norm_(max_norm); }
+  fsdp::Metrics metrics() const override { return fsdp_.metrics(); }
+  std::string describe() const override {
+    return std::to_string(fsdp_.units().size()) + " units, strategy " + strategy_ + " F=" +
+           std::to_string(fsdp_.shard_size());
+  }
+  bool write_trace(const std::string& path) const override {
+    fsdp_.write_trace(path);
+    return true;
+  }
+  bool is_sharded() const override { return true; }
+
+ private:
+  fsdp::FullyShardedDataParallel<models::GPTImpl> fsdp_;
+  std::string strategy_;
+};
+
+}  // namespace
+
+std::unique_ptr<Trainee> local_trainee(models::GPT model, std::vector<torch::Tensor> unique_params) {
+  return std::make_unique<LocalTrainee>(std::move(model), std::move(unique_params));
+}
+
+std::unique_ptr<Trainee> sharded_trainee(models::GPT model, std::shared_ptr<fsdp::Mesh> mesh, fsdp::Options options,
+                                         const std::string& strategy) {
+  return std::make_unique<ShardedTrainee>(std::move(model), std::move(mesh), std::move(options), strategy);
+}
+
+}  // namespace train

@@ -1,0 +1,140 @@
+// fsdp-train's training run (one rank): builds the GPT, wraps it (or not, with --local), and runs
+// the loop: zero_grad, forward, backward (scaled with fp16), clip, step, log.
+#include <chrono>
+#include <iostream>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include <torch/torch.h>
+
+#include "config.h"
+#include "fsdp/grad_scaler.h"
+#include "metrics_log.h"
+#include "trainee.h"
+
+namespace train {
+namespace {
+
+// AdamW with no weight decay on biases and norms (parameters keep their names under fsdp), each
+// parameter once (libtorch lists a tied weight under both names).
+struct Optimizer {
+  std::vector<torch::Tensor> unique_params;
+  std::unique_ptr<torch::optim::AdamW> adamw;
+};
+
+Optimizer make_optimizer(models::GPT& model, const Config& c) {
+  std::vector<torch::Tensor> decay, no_decay;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model->named_parameters()) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied weight once
+    const bool exempt = item.key().find("bias") != std::string::npos || item.key().find("ln") != std::string::npos;
+    (exempt ? no_decay : decay).push_back(item.value());
+  }
+  Optimizer o;
+  o.unique_params = decay;
+  o.unique_params.insert(o.unique_params.end(), no_decay.begin(), no_decay.end());
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(c.lr).weight_decay(0.0)));
+  o.adamw = std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
+  return o;
+}
+
+}  // namespace
+
+int train(const Config& c) {
+  const fsdp::LaunchEnv env = fsdp::LaunchEnv::from_environment();
+  // Share the cores among the local ranks instead of oversubscribing them.
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  torch::set_num_threads(c.threads > 0 ? c.threads : std::max(1, cores / env.local_world_size));
+  auto mesh = fsdp::Mesh::create(env);
+  const int W = mesh->world_size(), rank = mesh->rank();
+  if (c.global_batch % W != 0) {
+    throw std::invalid_argument("--global-batch-size " + std::to_string(c.global_batch) +
+                                " is not divisible by the world size " + std::to_string(W) +
+                                "; choose a multiple of " + std::to_string(W));
+  }
+  if (!c.trace_dir.empty() && c.trace_step >= c.steps) {
+    throw std::invalid_argument("--trace-step " + std::to_string(c.trace_step) + " is not below --steps " +
+                                std::to_string(c.steps) + "; pick a step that runs");
+  }
+  if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
+  if (c.local && c.mixed_precision != "none") throw std::invalid_argument("--mixed-precision needs fsdp; drop --local");
+
+  auto data = models::TokenSource::from_path(c.data);
+  const auto cfg = model_config(c, data);
+  torch::manual_seed(c.seed);  // the same initial weights on every rank
+  models::GPT model(cfg);
+  torch::Device device(torch::kCPU);
+  if (c.device == "cuda") {
+    if (!torch::cuda::is_available()) throw std::invalid_argument("--device cuda: no CUDA device is visible to this process");
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % torch::cuda::device_count()));
+    // NCCL talks to the current device: make it this rank's.
+    c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
+    model->to(device);  // keeps the parameters' identity (the tied weight stays tied)
+  }
+
+  // fp16's narrow range needs loss scaling; bf16 has fp32's range and does not.
+  std::optional<fsdp::ShardedGradScaler> scaler;
+  if (c.mixed_precision == "fp16") scaler.emplace(mesh);
+  std::unique_ptr<Trainee> trainee;
+  if (!c.local) trainee = sharded_trainee(model, mesh, fsdp_options(c), c.strategy);
+  Optimizer optim = make_optimizer(model, c);  // after sharding: it steps this rank's shards
+  if (c.local) trainee = local_trainee(model, optim.unique_params);
+
+  if (rank == 0) {
+    std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
+              << trainee->describe() << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
+              << " tokens, corpus " << data.origin() << " (" << data.size() << " tokens)" << std::endl;
+  }
+  JsonlWriter metrics_out(c.metrics_jsonl);
+  const int64_t per_rank = c.global_batch / W;
+  const double tokens_per_step = static_cast<double>(c.global_batch * cfg.block_size);
+  for (int step = 0; step < c.steps; ++step) {
+    trainee->begin_step();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto [x, y] = data.batch(step, c.global_batch, cfg.block_size, c.seed, rank * per_rank, (rank + 1) * per_rank);
+    if (device.is_cuda()) {
+      x = x.to(device, /*non_blocking=*/true);
+      y = y.to(device, /*non_blocking=*/true);
+    }
+    optim.adamw->zero_grad();
+    auto loss = models::lm_loss(trainee->forward(x), y);
+    if (scaler) scaler->scale(loss).backward(); else loss.backward();
+    if (scaler) scaler->unscale_(*optim.adamw);
+    if (c.clip > 0) trainee->clip_grad_norm(c.clip);
+    if (scaler) {
+      if (!scaler->step(*optim.adamw) && rank == 0) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
+      scaler->update();
+    } else {
+      optim.adamw->step();
+    }
+    // The global batch's mean loss: the mean of the ranks' means (equal slices).
+    std::vector<at::Tensor> l{loss.detach().reshape({1}).to(torch::kCPU, torch::kFloat).clone()};
+    mesh->world()->allreduce(l)->wait();
+    StepRecord r;
+    r.rank = rank;
+    r.step = step;
+    r.loss = l[0].item<double>() / W;
+    r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
+    r.metrics = trainee->metrics();
+    if (!c.trace_dir.empty() && step == c.trace_step) {
+      const std::string path = c.trace_dir + "/trace-rank" + std::to_string(rank) + ".json";
+      if (trainee->write_trace(path) && rank == 0) {
+        std::cout << "fsdp-train: wrote the Chrome trace of step " << step << " to " << c.trace_dir
+                  << "/trace-rank*.json (open in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
+      }
+    }
+    metrics_out.write(to_json(r));
+    if (rank == 0 && (step % c.log_every == 0 || step == c.steps - 1)) {
+      std::cout << progress_line(r, trainee->is_sharded(), device.is_cuda()) << std::endl;
+    }
+  }
+  return 0;
+}
+
+}  // namespace train

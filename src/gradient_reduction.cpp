@@ -1,0 +1,168 @@
+#include "gradient_reduction.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/strides.h>
+
+namespace fsdp {
+namespace {
+// A tensor sharing `flat`'s storage at `offset` with `sizes`, made with set_ rather than a view
+// op: autograd does not treat it as a view, so optimizers may detach_() it (zero_grad does).
+at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+}  // namespace
+
+GradientReduction::GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm)
+    : index_(index), handle_(handle), comm_(comm) {
+  grads_.resize(handle_.params().size());
+  no_sync_got_.assign(handle_.params().size(), false);
+}
+
+void GradientReduction::stash() {
+  const auto& params = handle_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    grads_[i] = params[i].grad();
+    if (grads_[i].defined()) at::Tensor(params[i]).mutable_grad().reset();
+  }
+}
+
+bool GradientReduction::has_unreduced() const {
+  for (const auto& p : handle_.params()) {
+    if (p.grad().defined()) return true;
+  }
+  return false;
+}
+
+void GradientReduction::begin(bool no_sync) {
+  if (pending_) finish();  // one reduction per unit at a time, in issue order
+  at::NoGradGuard no_grad;
+  const auto& params = handle_.params();
+  const auto& layout = handle_.layout();
+  const UnitDtypes& dt = handle_.dtypes();
+  std::vector<bool> got(params.size(), false);
+  bool any = false;
+  at::Tensor flat;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor g = params[i].grad();
+    if (!g.defined()) continue;
+    if (!flat.defined()) flat = at::zeros({layout.padded_numel()}, handle_.shard().options().dtype(dt.reduce));
+    const auto& e = layout.entries()[i];
+    flat.narrow(0, e.offset, e.numel).copy_(g.reshape(-1));
+    at::Tensor(params[i]).mutable_grad().reset();
+    got[i] = any = true;
+  }
+  if (no_sync) {
+    // Gradient accumulation without communication (§3.3.4): keep the unsharded sum locally, in
+    // the sharded parameters' dtype, so that many low-precision micro-batches do not round away.
+    if (!any) return;
+    if (no_sync_accum_.defined()) no_sync_accum_.add_(flat); else no_sync_accum_ = flat.to(dt.master);
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i]) no_sync_got_[i] = true;
+    }
+    return;
+  }
+  if (no_sync_accum_.defined()) {
+    if (flat.defined()) flat.add_(no_sync_accum_); else flat = no_sync_accum_.to(dt.reduce);
+    no_sync_accum_ = at::Tensor();
+    for (size_t i = 0; i < got.size(); ++i) got[i] = got[i] || no_sync_got_[i];
+    std::fill(no_sync_got_.begin(), no_sync_got_.end(), false);
+    any = true;
+  }
+  if (!any) return;
+
+  // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
+  // the mean over ranks. In low precision divide before summing, so the sum cannot overflow
+  // (fp16); in full precision after, as local training would round.
+  const MeshInfo& mesh = comm_.mesh();
+  if (dt.low_precision_reduce()) flat.div_(mesh.world_size);
+  Pending r;
+  r.input = flat;
+  r.got = std::move(got);
+  if (mesh.shard_size > 1) {
+    r.reduce_scatter = comm_.issue(CommKind::REDUCE_SCATTER, Over::SHARD_GROUP, index_, "gradients", [&] {
+      r.output = at::empty({layout.shard_numel()}, flat.options());  // on the reduce-scatter stream
+      return Buffers{r.output, r.input};
+    });
+  } else {
+    r.output = r.input;
+  }
+  pending_ = std::move(r);
+  // On CUDA the all-reduce is ordered after the reduce-scatter on the device, so it can be issued
+  // now; on CPU it is issued once the reduce-scatter is done (advance or finish).
+  if (comm_.streams().active() || !pending_->reduce_scatter) issue_all_reduce(*pending_);
+}
+
+void GradientReduction::issue_all_reduce(Pending& r) {
+  if (r.all_reduce || comm_.mesh().replicas <= 1) return;
+  r.all_reduce = comm_.issue(CommKind::ALL_REDUCE, Over::REPLICAS, index_, "gradient shards",
+                             [&] { return Buffers{r.output, at::Tensor()}; }, &r.reduce_scatter);
+}
+
+bool GradientReduction::advance() {
+  if (!pending_) return false;
+  if (pending_->all_reduce || comm_.mesh().replicas <= 1) return false;
+  if (pending_->reduce_scatter && !comm_.done(pending_->reduce_scatter)) return true;
+  comm_.wait(pending_->reduce_scatter);
+  issue_all_reduce(*pending_);
+  return false;
+}
+
+int64_t GradientReduction::finish() {
+  if (!pending_) return 0;
+  at::NoGradGuard no_grad;
+  Pending& r = *pending_;
+  const UnitDtypes& dt = handle_.dtypes();
+  int64_t blocked = comm_.wait(r.reduce_scatter);
+  issue_all_reduce(r);
+  blocked += comm_.wait(r.all_reduce);
+  at::Tensor reduced = r.output;
+  if (dt.low_precision_reduce()) {
+    reduced = reduced.to(dt.master);  // back into the sharded gradient's dtype
+  } else {
+    reduced.div_(comm_.mesh().world_size);
+  }
+  const auto& slices = handle_.slices();
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const ShardSlice& s = slices[i];
+    if (grads_[i].defined()) reduced.narrow(0, s.shard_offset, s.length).add_(grads_[i].reshape(-1));
+  }
+  if (dt.grad != dt.master) reduced = reduced.to(dt.grad);
+  grad_shard_ = reduced;
+  const auto& entries = handle_.layout().entries();
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    if (!r.got[i] && !grads_[i].defined()) continue;  // unused everywhere so far: stays None, as locally
+    grads_[i] = comm_.mesh().shard_size == 1 ? alias(reduced, entries[i].offset, entries[i].shape)
+                                             : alias(reduced, slices[i].shard_offset, {slices[i].length});
+  }
+  pending_.reset();
+  return blocked;
+}
+
+void GradientReduction::restore() {
+  TORCH_CHECK(handle_.state() == HandleState::SHARDED && !pending_,
+              "fsdp: restoring sharded gradients needs the SHARDED state and no reduction in flight");
+  const auto& params = handle_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (grads_[i].defined()) at::Tensor(params[i]).mutable_grad() = grads_[i];
+    grads_[i] = at::Tensor();
+  }
+}
+
+int64_t GradientReduction::sharded_grad_bytes() const {
+  for (const auto& p : handle_.params()) {
+    const auto& g = p.grad();
+    if (g.defined() && grad_shard_.defined() &&
+        g.storage().unsafeGetStorageImpl() == grad_shard_.storage().unsafeGetStorageImpl()) {
+      return handle_.layout().shard_numel() * static_cast<int64_t>(grad_shard_.element_size());
+    }
+  }
+  return 0;
+}
+
+int64_t GradientReduction::unsharded_grad_bytes() const {
+  return no_sync_accum_.defined() ? no_sync_accum_.numel() * static_cast<int64_t>(no_sync_accum_.element_size()) : 0;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,36 @@
+#include "model_fingerprint.h"
+
+#include <sstream>
+
+namespace fsdp {
+
+std::string describe_model(const torch::nn::Module& root, const std::vector<UnitPlan>& units, const Options& options,
+                           int shard_size) {
+  std::ostringstream desc;
+  desc << "strategy " << to_string(options.strategy) << " F=" << shard_size << "\n";
+  if (const auto& mp = options.mixed_precision) {
+    desc << "mixed precision param " << dtype_name(mp->param_dtype) << " reduce " << dtype_name(mp->reduce_dtype)
+         << " buffer " << dtype_name(mp->buffer_dtype) << " keep_low_precision_grads " << mp->keep_low_precision_grads << "\n";
+  }
+  for (const auto& item : root.named_parameters(true)) {
+    desc << "param " << item.key() << " " << item.value().sizes() << " " << item.value().dtype()
+         << " requires_grad=" << item.value().requires_grad() << "\n";
+  }
+  for (const auto& u : units) {
+    desc << "unit '" << u.name << "':";
+    for (const auto& f : u.fqns) desc << " " << f;
+    desc << "\n";
+  }
+  return desc.str();
+}
+
+uint64_t fingerprint(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+}  // namespace fsdp

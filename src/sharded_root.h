@@ -1,0 +1,52 @@
+// What stands behind a FullyShardedDataParallel (include/fsdp/fsdp.h): builds the units of one
+// wrapped model (decomposition, the cross-rank structure check, the device and process groups,
+// materializing deferred models, casting buffers), owns them with their communication context
+// and runtime, and answers the public API (metrics, clipping, units, traces).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "comm_context.h"
+#include "fsdp/fsdp.h"
+#include "runtime.h"
+#include "unit.h"
+
+namespace fsdp::detail {
+
+class ShardedRoot {
+ public:
+  ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Mesh> mesh, Options options);
+  ShardedRoot(const ShardedRoot&) = delete;
+  ShardedRoot& operator=(const ShardedRoot&) = delete;
+
+  Runtime& runtime() { return *runtime_; }
+  const Options& options() const { return options_; }
+  int shard_size() const { return comm_->mesh().shard_size; }
+
+  Metrics metrics() const;
+  void reset_step();
+  double clip_grad_norm(double max_norm);
+  std::vector<UnitInfo> units() const;
+  std::vector<Span> timeline() const { return comm_->timeline().spans(); }
+  void write_trace(const std::string& path) const;
+
+ private:
+  void materialize_buffers();
+  void broadcast_module_states();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<Mesh> mesh_;
+  Options options_;
+  c10::Device device_{c10::kCPU};
+  std::unique_ptr<CommContext> comm_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::shared_ptr<Runtime> runtime_;
+  int64_t alloc_retries_at_reset_ = 0;
+  int64_t step_ = 0;
+};
+
+}  // namespace fsdp::detail
