@@ -1,6 +1,8 @@
 // fsdp-bench: step time of every sharding strategy (--suite strategies) or of every overlap
 // setting (--suite overlap: prefetch modes, rate limiter) against local training, measured side
-// by side in one run on the same machine, model, data and global batch. Each configuration is a run of
+// by side in one run on the same machine, model, data and global batch; or (--suite builds
+// --baseline OTHER/fsdp-train) this build against another one, full sharding at W = 2, to catch
+// a regression. Each configuration is a run of
 // build/bin/fsdp-train (the local baseline with --local); the step times after warm-up come from
 // its --metrics-jsonl output, and the table reports medians and their ratio to local training,
 // with the communication time the compute thread was exposed to (waiting on a collective).
@@ -22,7 +24,8 @@ struct Config {
   std::string label, strategy;
   int world = 1, shard_size = 0;
   bool local = false;
-  std::string extra;  // more fsdp-train flags
+  std::string extra;   // more fsdp-train flags
+  std::string binary;  // another build's fsdp-train (--suite builds); empty: this build's
 };
 
 std::string self_dir() {
@@ -45,10 +48,13 @@ int main(int argc, char** argv) {
   std::string model = "default";
   int steps = 12, warmup = 4, repeats = 3;
   int64_t batch = 16;
-  std::string out_md, suite = "strategies";
+  std::string out_md, suite = "strategies", baseline;
   CLI::App app{"fsdp-bench: step-time ratios of every strategy or overlap setting against local training"};
-  app.add_option("--suite", suite, "strategies: every sharding strategy; overlap: prefetch modes and the rate limiter")
-      ->check(CLI::IsMember({"strategies", "overlap"}));
+  app.add_option("--suite", suite,
+                 "strategies: every sharding strategy; overlap: prefetch modes and the rate limiter; "
+                 "builds: this build against --baseline")
+      ->check(CLI::IsMember({"strategies", "overlap", "builds"}));
+  app.add_option("--baseline", baseline, "--suite builds: the other build's fsdp-train");
   app.add_option("--model", model, "GPT preset");
   app.add_option("--steps", steps, "steps per run (including warm-up)");
   app.add_option("--warmup", warmup, "steps dropped from each run");
@@ -58,7 +64,14 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   std::vector<Config> configs{{"local", "full_shard", 1, 0, true, ""}};
-  if (suite == "strategies") {
+  if (suite == "builds") {
+    if (baseline.empty()) {
+      std::cerr << "fsdp-bench: --suite builds needs --baseline PATH (another build's fsdp-train)" << std::endl;
+      return 2;
+    }
+    // The ratio column is then this build against the baseline (row 0).
+    configs = {{"baseline build", "full_shard", 2, 0, false, "", baseline}, {"this build", "full_shard", 2, 0, false, ""}};
+  } else if (suite == "strategies") {
     for (int w : {1, 2, 4}) {
       for (std::string s : {"full_shard", "shard_grad_op", "no_shard"}) configs.push_back({s, s, w, 0, false, ""});
     }
@@ -79,6 +92,7 @@ int main(int argc, char** argv) {
   const std::string train = self_dir() + "/fsdp-train";
   const std::string tmp = "/tmp/fsdp-bench-" + std::to_string(::getpid());
   std::map<size_t, std::vector<double>> step_ms;  // config -> post-warm-up step times, all rounds
+  std::map<size_t, std::vector<double>> round_ms;  // config -> the median of each round
   std::map<size_t, double> comm_mb;
   std::map<size_t, std::vector<double>> exposed_ms;
   for (int round = 0; round < repeats; ++round) {
@@ -86,7 +100,7 @@ int main(int argc, char** argv) {
       const Config& c = configs[i];
       const std::string jsonl = tmp + ".jsonl";
       std::remove(jsonl.c_str());
-      std::string cmd = train + " --model " + model + " --steps " + std::to_string(steps) + " --global-batch-size " +
+      std::string cmd = (c.binary.empty() ? train : c.binary) + " --model " + model + " --steps " + std::to_string(steps) + " --global-batch-size " +
                         std::to_string(batch) + " --log-every 1000000 --metrics-jsonl " + jsonl;
       cmd += c.local ? " --local" : " --nproc-per-node " + std::to_string(c.world) + " --strategy " + c.strategy;
       if (c.shard_size) cmd += " --shard-size " + std::to_string(c.shard_size);
@@ -98,15 +112,18 @@ int main(int argc, char** argv) {
       }
       std::ifstream in(jsonl);
       std::string line;
+      std::vector<double> this_round;
       while (std::getline(in, line)) {
         auto j = nlohmann::json::parse(line);
         if (j["rank"] != 0 || j["step"].get<int>() < warmup) continue;
         step_ms[i].push_back(j["step_ms"].get<double>());
+        this_round.push_back(j["step_ms"].get<double>());
         if (j.contains("exposed_comm_ms")) exposed_ms[i].push_back(j["exposed_comm_ms"].get<double>());
         const auto& cb = j["comm_bytes"];
         comm_mb[i] = (cb["all_gather"].get<double>() + cb["reduce_scatter"].get<double>() +
                       cb["all_reduce"].get<double>()) / 1e6;
       }
+      round_ms[i].push_back(median(this_round));
       std::cerr << "round " << round + 1 << "/" << repeats << " " << c.label << " W=" << c.world << " done" << std::endl;
     }
   }
@@ -115,7 +132,8 @@ int main(int argc, char** argv) {
 
   const double local = median(step_ms[0]);
   std::ostringstream table;
-  table << "| configuration | W | F | median step (ms) | ratio to local | exposed comm (ms) | comm per rank per step (MB) |\n";
+  table << "| configuration | W | F | median step (ms) | ratio to " << configs[0].label
+        << " | exposed comm (ms) | comm per rank per step (MB) |\n";
   table << "|---|---|---|---|---|---|---|\n";
   for (size_t i = 0; i < configs.size(); ++i) {
     const Config& c = configs[i];
@@ -129,6 +147,17 @@ int main(int argc, char** argv) {
   }
   std::cout << "suite " << suite << ", model " << model << ", global batch " << batch << ", " << repeats << " rounds x "
             << (steps - warmup) << " timed steps each (medians)\n" << table.str();
+  if (suite == "builds") {
+    // Per round: this build's median over the baseline's, measured back to back.
+    std::vector<double> ratios;
+    for (int r = 0; r < repeats; ++r) ratios.push_back(round_ms[1][static_cast<size_t>(r)] / round_ms[0][static_cast<size_t>(r)]);
+    std::sort(ratios.begin(), ratios.end());
+    char line[160];
+    std::snprintf(line, sizeof(line), "\nthis build / baseline, per round: median %.3f, min %.3f, max %.3f (%d rounds)\n",
+                  median(ratios), ratios.front(), ratios.back(), repeats);
+    table << line;
+    std::cout << line;
+  }
   if (!out_md.empty()) std::ofstream(out_md) << table.str();
   return 0;
 }

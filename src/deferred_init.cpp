@@ -27,6 +27,7 @@ constexpr c10::DispatchKey kDeferredKey = c10::DispatchKey::TESTING_ONLY_Generic
 
 // One recorded operator: how to call it again on the real tensor.
 struct RecordedOp {
+  RecordedOp(c10::OperatorHandle op_, std::vector<c10::IValue> args_) : op(std::move(op_)), args(std::move(args_)) {}
   c10::OperatorHandle op;
   std::vector<c10::IValue> args;  // as called; args[0] is replaced by the real target on replay
   bool factory = false;           // the op that created the tensor
@@ -144,7 +145,8 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
     }
     auto recipe = std::make_shared<Recipe>();
     recipe->replayable = t_record;
-    RecordedOp rec{op, args, /*factory=*/true};
+    RecordedOp rec{op, args};
+    rec.factory = true;
     if (t_record && is_random(op.operator_name())) {
       // Draw from the generator exactly as the normal construction would, and remember where.
       at::Generator gen = generator_of(schema, args);
@@ -180,7 +182,7 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
   const at::Tensor self = args[0].toTensor();
   auto recipe = recipe_of(self);
   if (recipe->replayable && t_record) {
-    RecordedOp rec{op, args, /*factory=*/false};
+    RecordedOp rec{op, args};
     rec.sizes = self.sizes().vec();
     rec.strides = self.strides().vec();
     rec.offset = self.storage_offset() - recipe->storage_offset;

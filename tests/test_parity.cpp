@@ -1,7 +1,8 @@
-// Parity with local training (DESIGN decision 6): every strategy, world sizes 1-4 where the
-// strategy allows, the tiny GPT (typed members, tied embedding/head) and an uneven net (units of
-// 4 to 656 elements, an unused parameter), 5 steps of SGD+momentum and of AdamW with
-// per-parameter groups, from the same init and the same global batch as one local process.
+// Parity with local training (docs/design.md: the oracle for every feature): every strategy,
+// world sizes 1-4 where the strategy allows, the tiny GPT (typed members, tied embedding/head)
+// and an uneven net (units of 4 to 656 elements, an unused parameter), 5 steps of SGD+momentum
+// and of AdamW with per-parameter groups, from the same init and the same global batch as one
+// local process.
 #include <gtest/gtest.h>
 
 #include "dist_test_util.h"
