@@ -29,6 +29,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--model") a.model = v;
     else if (k == "--keep-low-grads") a.keep_low_grads = std::stoi(v);
     else if (k == "--sync-module-states") a.sync_module_states = std::stoi(v);
+    else if (k == "--seeds") a.seeds = v;
+    else if (k == "--mixed-precision") a.mixed_precision = v;
+    else if (k == "--calls") a.calls = std::stoi(v);
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;

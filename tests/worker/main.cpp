@@ -14,6 +14,7 @@ const std::map<std::string, Mode>& modes() {
       {"parity", run_parity},       {"accounting", run_accounting}, {"structure", run_structure},
       {"overlap", run_overlap},     {"dynamic", run_dynamic},       {"precision", run_precision},
       {"scaler", run_scaler},       {"sync", run_sync},             {"deferred", run_deferred},
+      {"fuzz", run_fuzz},
   };
   return table;
 }

@@ -5,13 +5,14 @@
 //
 // Each mode is one file here, registered in main.cpp's table (as nccl-tests puts each collective
 // behind one struct): parity, accounting, structure, overlap, dynamic, precision, scaler, sync,
-// deferred. Their flags and what they write are described at the top of each file.
+// deferred, fuzz. Their flags and what they write are described at the top of each file.
 // --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -41,6 +42,9 @@ struct Args {
   int inf_rank = -1, sync_module_states = 1;
   std::string model = "gpt";
   int keep_low_grads = 0;
+  std::string seeds = "0:1";  // fuzz: seeds [A, B)
+  std::string mixed_precision = "none";  // fuzz: none, bf16 or fp16 (param and reduce dtype)
+  int calls = 12;             // fuzz: calls per sequence
 };
 Args parse(int argc, char** argv);
 // The strategy and prefetch settings the flags ask for (no wrap policy: each mode picks its units).
@@ -110,5 +114,6 @@ json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_sync(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_deferred(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_fuzz(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 
 }  // namespace worker
