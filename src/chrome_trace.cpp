@@ -18,13 +18,14 @@ int track_of(const Span& s) {
     case SpanKind::ALL_GATHER: return 10 + s.track;
     case SpanKind::REDUCE_SCATTER: return 20 + s.track;
     case SpanKind::ALL_REDUCE: return 30 + s.track;
+    case SpanKind::SEQUENCE_CHECK: return 40 + s.track;
     default: return 1;
   }
 }
 
 std::string track_name(int track) {
   if (track == 1) return "compute";
-  const char* kind = track < 20 ? "all-gather" : track < 30 ? "reduce-scatter" : "all-reduce";
+  const char* kind = track < 20 ? "all-gather" : track < 30 ? "reduce-scatter" : track < 40 ? "all-reduce" : "sequence check";
   return std::string(kind) + " (worker " + std::to_string(track % 10) + ")";
 }
 

@@ -35,6 +35,16 @@ WorkPtr all_reduce_sum(const GroupPtr& group, at::Tensor t, CommBytes& stats) {
   return group->allreduce(tensors, opts);
 }
 
+WorkPtr sequence_check_max(const GroupPtr& group, at::Tensor t, CommBytes& stats) {
+  const int64_t g = group->getSize();
+  stats.sequence_check += 2 * bytes_of(t) * (g - 1) / g;
+  stats.sequence_check_calls += 1;
+  std::vector<at::Tensor> tensors{std::move(t)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  return group->allreduce(tensors, opts);
+}
+
 void wait_for(const WorkPtr& work, const char* what) {
   try {
     work->wait();

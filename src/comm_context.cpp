@@ -10,8 +10,17 @@ SpanKind span_kind(CommKind kind) {
     case CommKind::ALL_GATHER: return SpanKind::ALL_GATHER;
     case CommKind::REDUCE_SCATTER: return SpanKind::REDUCE_SCATTER;
     case CommKind::ALL_REDUCE: return SpanKind::ALL_REDUCE;
+    case CommKind::SEQUENCE_CHECK: return SpanKind::SEQUENCE_CHECK;
   }
   return SpanKind::ALL_REDUCE;
+}
+
+uint64_t mix(uint64_t h, int64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+    h *= 1099511628211ULL;
+  }
+  return h;
 }
 }  // namespace
 
@@ -28,8 +37,12 @@ std::string CommContext::unit_name(int unit) const {
 
 InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what,
                             const std::function<Buffers()>& prepare, const InFlight* after) {
-  const GroupPtr& group = over == Over::SHARD_GROUP ? mesh_.shard_group : mesh_.replicate_group;
-  CommStreams::Issue on_stream(streams_, kind);
+  const GroupPtr& group = over == Over::SHARD_GROUP ? mesh_.shard_group
+                          : over == Over::REPLICAS  ? mesh_.replicate_group
+                                                    : mesh_.world_group;
+  // The world group takes CPU tensors (Gloo) whatever the device: no stream there.
+  std::optional<CommStreams::Issue> on_stream;
+  if (over != Over::WORLD) on_stream.emplace(streams_, kind);
   // CUDA: ordered after `after` on the device (Work::wait makes the current stream wait; the CPU
   // does not block). On CPU the caller only issues once `after` is done.
   if (after && after->work && streams_.active()) after->work->wait();
@@ -44,6 +57,13 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
     case CommKind::ALL_GATHER: f.work = all_gather_into(group, b.out, b.in, bytes_); break;
     case CommKind::REDUCE_SCATTER: f.work = reduce_scatter_sum(group, b.out, b.in, bytes_); break;
     case CommKind::ALL_REDUCE: f.work = all_reduce_sum(group, b.out, bytes_); break;
+    case CommKind::SEQUENCE_CHECK: f.work = sequence_check_max(group, b.out, bytes_); break;
+  }
+  if (kind != CommKind::SEQUENCE_CHECK) {
+    for (int64_t v : {static_cast<int64_t>(kind), static_cast<int64_t>(over), static_cast<int64_t>(unit), b.out.numel(),
+                      static_cast<int64_t>(b.out.scalar_type())}) {
+      sequence_hash_ = mix(sequence_hash_, v);
+    }
   }
   Span s;
   s.kind = span_kind(kind);
@@ -59,10 +79,18 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
 }
 
 std::string CommContext::describe(const InFlight& f) const {
-  std::string kind = f.kind == CommKind::ALL_GATHER ? "all-gather" : f.kind == CommKind::REDUCE_SCATTER ? "reduce-scatter" : "all-reduce";
+  const std::string kind = f.kind == CommKind::ALL_GATHER       ? "all-gather"
+                           : f.kind == CommKind::REDUCE_SCATTER ? "reduce-scatter"
+                                                                : "all-reduce";
   std::string out = kind + " of ";
   if (f.unit >= 0) out += "unit '" + unit_name(f.unit) + "''s ";
-  return out + f.what;
+  return out + f.what + " on rank " + std::to_string(mesh_.rank);
+}
+
+uint64_t CommContext::take_sequence_hash() {
+  const uint64_t h = sequence_hash_;
+  sequence_hash_ = 1469598103934665603ULL;
+  return h;
 }
 
 int64_t CommContext::wait(InFlight& f) {

@@ -29,7 +29,7 @@
 namespace fsdp {
 
 // Which group a collective runs over.
-enum class Over { SHARD_GROUP, REPLICAS };
+enum class Over { SHARD_GROUP, REPLICAS, WORLD };
 
 // The buffers of one collective: all-gather out <- in; reduce-scatter out <- in; all-reduce in
 // place on `out` (in is ignored).
@@ -79,6 +79,10 @@ class CommContext {
   // Whether it has finished, without blocking.
   bool done(const InFlight& f) const;
 
+  // A running hash of the collectives issued since the last call (kind, group, unit, size, dtype),
+  // which must be equal on every rank: a difference means ranks took different paths.
+  uint64_t take_sequence_hash();
+
  private:
   std::string describe(const InFlight& f) const;
 
@@ -89,6 +93,7 @@ class CommContext {
   CommBytes bytes_;
   std::vector<std::string> unit_names_;
   bool backward_pass_ = false;
+  uint64_t sequence_hash_ = 1469598103934665603ULL;
 };
 
 }  // namespace fsdp

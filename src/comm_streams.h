@@ -25,7 +25,7 @@
 
 namespace fsdp {
 
-enum class CommKind { ALL_GATHER = 0, REDUCE_SCATTER = 1, ALL_REDUCE = 2 };
+enum class CommKind { ALL_GATHER = 0, REDUCE_SCATTER = 1, ALL_REDUCE = 2, SEQUENCE_CHECK = 3 };
 
 class CommStreams {
  public:

@@ -1,5 +1,7 @@
 #include "flat_param_handle.h"
 
+#include <limits>
+
 #include <c10/core/GradMode.h>
 
 #include "deferred_init_internal.h"
@@ -68,7 +70,9 @@ FlatParamHandle::FlatParamHandle(int index, std::vector<std::string> fqns, std::
   } else {
     shard_ = full_.narrow(0, comm_.mesh().shard_rank * layout_.shard_numel(), layout_.shard_numel())
                  .to(target, /*non_blocking=*/false, /*copy=*/true);
-    for (const auto& s : slices_) sharded_views_.push_back(shard_.narrow(0, s.shard_offset, s.length));
+    // 1-D slices: guarded, so that a module computing with them outside the root's passes is told
+    // what happened (param_guard.h).
+    for (const auto& s : slices_) sharded_views_.push_back(guard::guarded(shard_.narrow(0, s.shard_offset, s.length)));
   }
   separate_buffer_ = F > 1 || dtypes_.casts();
   // Parameters point at their shards first, so that the flattening buffer (which adopted deferred
@@ -86,7 +90,22 @@ FlatParamHandle::FlatParamHandle(int index, std::vector<std::string> fqns, std::
     full_ = at::empty({layout_.padded_numel()}, options.device(target).dtype(dtypes_.compute));
     for (const auto& e : layout_.entries()) full_views_.push_back(full_.narrow(0, e.offset, e.numel).view(e.shape));
   }
-  if (separate_buffer_) resize_unsharded(false);
+  if (separate_buffer_) {
+    for (const auto& v : full_views_) guarded_full_views_.push_back(guard::guarded(v));
+    resize_unsharded(false);
+  }
+}
+
+void FlatParamHandle::guard_gathered() {
+  if (state_ != HandleState::UNSHARDED || !separate_buffer_ || gathered_guarded_) return;
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(guarded_full_views_[i]);
+  gathered_guarded_ = true;
+}
+
+void FlatParamHandle::unguard_gathered() {
+  if (!gathered_guarded_) return;
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
+  gathered_guarded_ = false;
 }
 
 void FlatParamHandle::resize_unsharded(bool allocate) {
@@ -136,7 +155,21 @@ void FlatParamHandle::reshard() {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
     resize_unsharded(false);
   }
+  gathered_guarded_ = false;
   state_ = HandleState::SHARDED;
+}
+
+void FlatParamHandle::poison() {
+  if (state_ == HandleState::UNSHARDED) return;
+  gather_ = InFlight{};  // failed or abandoned: the backend writes into the buffer no more
+  shard_cast_ = at::Tensor();
+  if (separate_buffer_) {
+    at::NoGradGuard no_grad;
+    resize_unsharded(true);
+    full_.fill_(at::isFloatingType(dtypes_.compute) ? std::numeric_limits<double>::quiet_NaN() : 0.0);
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
+  }
+  state_ = HandleState::UNSHARDED;
 }
 
 int64_t FlatParamHandle::sharded_param_bytes() const {

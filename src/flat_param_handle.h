@@ -30,6 +30,7 @@
 #include "comm_context.h"
 #include "flat_param.h"
 #include "fsdp/options.h"
+#include "param_guard.h"
 #include "precision.h"
 
 namespace fsdp {
@@ -68,6 +69,15 @@ class FlatParamHandle {
   int64_t finish_unshard();
   // -> SHARDED: point parameters back at the shard and free the buffer.
   void reshard();
+  // Between a forward and its backward, a unit left gathered (the root, the ZeRO-2 strategies) is
+  // guarded (param_guard.h): anything but the root's own passes must ask the runtime first.
+  void guard_gathered();
+  void unguard_gathered();
+  bool gathered_guarded() const { return gathered_guarded_; }
+  // After a collective failed: -> UNSHARDED without communicating, the buffer filled with NaN
+  // (zeros for integer units), so that the operator that needed the unit computes harmlessly
+  // until the runtime reports the failure where exceptions reach the caller.
+  void poison();
 
   int64_t sharded_param_bytes() const;
   int64_t unsharded_bytes() const;  // unsharded parameter buffer allocated now
@@ -88,6 +98,8 @@ class FlatParamHandle {
   at::Tensor full_;                       // [padded_numel] in the compute dtype, 0 bytes while SHARDED
   std::vector<at::Tensor> sharded_views_; // per parameter, into shard_
   std::vector<at::Tensor> full_views_;    // per parameter, into full_, original shapes
+  std::vector<at::Tensor> guarded_full_views_;  // the same, carrying the guard key
+  bool gathered_guarded_ = false;
   std::vector<ShardSlice> slices_;        // this rank's slice of each parameter
   InFlight gather_;                       // the all-gather in flight while GATHERING
 };

@@ -17,26 +17,55 @@ at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) 
 GradientReduction::GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm)
     : index_(index), handle_(handle), comm_(comm) {
   grads_.resize(handle_.params().size());
-  no_sync_got_.assign(handle_.params().size(), false);
 }
 
 void GradientReduction::stash() {
+  if (form_ == Form::UNSHARDED || stashed_) return;  // unreduced gradients stay: autograd adds to them
   const auto& params = handle_.params();
   for (size_t i = 0; i < params.size(); ++i) {
     grads_[i] = params[i].grad();
     if (grads_[i].defined()) at::Tensor(params[i]).mutable_grad().reset();
   }
+  stashed_ = true;
 }
 
 bool GradientReduction::has_unreduced() const {
+  if (form_ == Form::SHARDED && !stashed_) return false;  // what they hold is reduced already
   for (const auto& p : handle_.params()) {
     if (p.grad().defined()) return true;
   }
   return false;
 }
 
+void GradientReduction::keep_unsharded() {
+  at::NoGradGuard no_grad;
+  const auto& params = handle_.params();
+  const UnitDtypes& dt = handle_.dtypes();
+  const int F = comm_.mesh().shard_size;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor g = params[i].grad();
+    if (g.defined() && g.scalar_type() != dt.master) g = g.to(dt.master);
+    if (grads_[i].defined()) {
+      // Fold a reduced gradient in so that the next reduction gives it back (see the header).
+      if (!g.defined()) g = at::zeros(handle_.layout().entries()[i].shape, handle_.shard().options());
+      const ShardSlice& s = handle_.slices()[i];
+      const at::Tensor mine = F == 1 ? grads_[i].reshape(-1) : grads_[i].reshape(-1).narrow(0, 0, s.length);
+      g.view(-1).narrow(0, s.param_begin, s.length).add_(mine.to(dt.master), F);
+      grads_[i] = at::Tensor();
+    }
+    if (g.defined()) at::Tensor(params[i]).mutable_grad() = g;
+  }
+  form_ = Form::UNSHARDED;
+  stashed_ = false;
+}
+
 void GradientReduction::begin(bool no_sync) {
   if (pending_) finish();  // one reduction per unit at a time, in issue order
+  if (no_sync) {
+    // Gradient accumulation without communication (§3.3.4): the gradients stay on the parameters.
+    keep_unsharded();
+    return;
+  }
   at::NoGradGuard no_grad;
   const auto& params = handle_.params();
   const auto& layout = handle_.layout();
@@ -53,23 +82,8 @@ void GradientReduction::begin(bool no_sync) {
     at::Tensor(params[i]).mutable_grad().reset();
     got[i] = any = true;
   }
-  if (no_sync) {
-    // Gradient accumulation without communication (§3.3.4): keep the unsharded sum locally, in
-    // the sharded parameters' dtype, so that many low-precision micro-batches do not round away.
-    if (!any) return;
-    if (no_sync_accum_.defined()) no_sync_accum_.add_(flat); else no_sync_accum_ = flat.to(dt.master);
-    for (size_t i = 0; i < got.size(); ++i) {
-      if (got[i]) no_sync_got_[i] = true;
-    }
-    return;
-  }
-  if (no_sync_accum_.defined()) {
-    if (flat.defined()) flat.add_(no_sync_accum_); else flat = no_sync_accum_.to(dt.reduce);
-    no_sync_accum_ = at::Tensor();
-    for (size_t i = 0; i < got.size(); ++i) got[i] = got[i] || no_sync_got_[i];
-    std::fill(no_sync_got_.begin(), no_sync_got_.end(), false);
-    any = true;
-  }
+  form_ = Form::SHARDED;
+  stashed_ = true;  // what grads_ holds (possibly nothing) is this iteration's to restore
   if (!any) return;
 
   // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
@@ -132,7 +146,7 @@ int64_t GradientReduction::finish() {
   grad_shard_ = reduced;
   const auto& entries = handle_.layout().entries();
   for (size_t i = 0; i < grads_.size(); ++i) {
-    if (!r.got[i] && !grads_[i].defined()) continue;  // unused everywhere so far: stays None, as locally
+    if (!r.got[i] && !grads_[i].defined()) continue;  // no gradient yet: stays None, as locally
     grads_[i] = comm_.mesh().shard_size == 1 ? alias(reduced, entries[i].offset, entries[i].shape)
                                              : alias(reduced, slices[i].shard_offset, {slices[i].length});
   }
@@ -143,11 +157,13 @@ int64_t GradientReduction::finish() {
 void GradientReduction::restore() {
   TORCH_CHECK(handle_.state() == HandleState::SHARDED && !pending_,
               "fsdp: restoring sharded gradients needs the SHARDED state and no reduction in flight");
+  if (!stashed_) return;
   const auto& params = handle_.params();
   for (size_t i = 0; i < params.size(); ++i) {
     if (grads_[i].defined()) at::Tensor(params[i]).mutable_grad() = grads_[i];
     grads_[i] = at::Tensor();
   }
+  stashed_ = false;
 }
 
 int64_t GradientReduction::sharded_grad_bytes() const {
@@ -162,7 +178,12 @@ int64_t GradientReduction::sharded_grad_bytes() const {
 }
 
 int64_t GradientReduction::unsharded_grad_bytes() const {
-  return no_sync_accum_.defined() ? no_sync_accum_.numel() * static_cast<int64_t>(no_sync_accum_.element_size()) : 0;
+  if (form_ != Form::UNSHARDED) return 0;
+  int64_t bytes = 0;
+  for (const auto& p : handle_.params()) {
+    if (p.grad().defined()) bytes += p.grad().numel() * static_cast<int64_t>(p.grad().element_size());
+  }
+  return bytes;
 }
 
 }  // namespace fsdp

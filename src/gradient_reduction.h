@@ -1,19 +1,31 @@
 // One unit's gradient pipeline (paper §3.2.2, §3.3.4): from the unsharded gradients autograd
 // accumulates into the unit's parameters to the sharded gradients the optimizer steps.
 //
-//   stash    start of an iteration: take the sharded gradients the user holds (possibly none
-//            after zero_grad) off the parameters, so autograd accumulates this iteration's
-//            gradients into empty .grad fields of the unsharded shape
-//   begin    after backward computed the unit's gradients: flatten them into one buffer of the
-//            reduce dtype and issue the reduce-scatter in the shard group (with replicas, the
-//            all-reduce across them follows: at once on CUDA, stream-ordered; on CPU once the
-//            reduce-scatter is done, see advance). With no_sync, add them to a local unsharded
-//            accumulator instead; the next synchronized reduction sends accumulator + new.
+// Between iterations the parameters hold their gradients in one of two forms, and whatever the
+// user does to them (zero_grad to None or to zeros, at any point of a loop) acts on what they hold:
+//   SHARDED    reduced: each parameter's .grad is this rank's part of the global mean gradient (a
+//              1-D slice; the whole parameter's shape with F = 1), an alias of one flat shard
+//   UNSHARDED  after no_sync backwards: each .grad is this rank's own unreduced gradient sum in the
+//              parameter's full shape and the master dtype (so that many low-precision micro-
+//              batches do not round away), as DDP leaves it; the next synchronized backward
+//              reduces it
+//
+//   stash    backward reaches the unit (pre-backward, never at forward: a zero_grad between
+//            forward and backward must count): SHARDED gradients are taken off the parameters so
+//            autograd accumulates this backward's gradients into empty .grad fields of the
+//            unsharded shape; UNSHARDED ones stay, and autograd adds to them
+//   begin    synchronized: flatten into one buffer of the reduce dtype, issue the reduce-scatter in
+//            the shard group (with replicas the all-reduce follows: at once on CUDA,
+//            stream-ordered; on CPU once the reduce-scatter is done, see advance).
+//            no_sync: leave the gradients on the parameters in the UNSHARDED form; a stashed
+//            SHARDED gradient is folded in as F × itself in this rank's slice, which the later
+//            reduction (sum over W ranks of F·g placed by R = W/F replicas, divided by W) returns
+//            to exactly g
 //   advance  without blocking: issue the replica all-reduce once the reduce-scatter is done
-//   finish   wait, divide by W (sum of per-rank means -> global mean), cast back to the sharded
-//            gradient's dtype, add the stashed gradient, and hold the result for restore
-//   restore  end of an iteration: give the parameters their sharded gradients (set_ aliases of
-//            one flat shard, so optimizers may detach_() them as zero_grad does)
+//   finish   wait, divide by W (sum of per-rank means -> global mean), cast back to the master
+//            dtype, add the stashed gradient, and hold the result for restore
+//   restore  end of an iteration: give the parameters their SHARDED gradients (set_ aliases of one
+//            flat shard, so optimizers may detach_() them as zero_grad does)
 //
 // A reduction holds the buffers its collectives read and write until it has waited for them.
 #pragma once
@@ -30,10 +42,13 @@ namespace fsdp {
 
 class GradientReduction {
  public:
+  enum class Form { SHARDED, UNSHARDED };
+
   GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm);
 
+  Form form() const { return form_; }
   void stash();
-  // Whether a parameter holds a gradient this iteration's reduction has not taken yet.
+  // Whether the parameters hold gradients that a synchronized reduction has still to reduce.
   bool has_unreduced() const;
   void begin(bool no_sync);
   bool advance();  // true while a reduce-scatter still has to finish before its all-reduce
@@ -41,8 +56,8 @@ class GradientReduction {
   bool pending() const { return pending_.has_value(); }
   void restore();  // requires no reduction in flight
 
-  int64_t sharded_grad_bytes() const;    // the sharded gradients the parameters hold now
-  int64_t unsharded_grad_bytes() const;  // the no_sync accumulator allocated now
+  int64_t sharded_grad_bytes() const;    // the SHARDED gradients the parameters hold now
+  int64_t unsharded_grad_bytes() const;  // the UNSHARDED (no_sync) gradients they hold now
 
  private:
   struct Pending {
@@ -52,14 +67,15 @@ class GradientReduction {
     std::vector<bool> got;     // which parameters contributed gradients
   };
   void issue_all_reduce(Pending& r);
+  void keep_unsharded();  // the no_sync half of begin
 
   int index_;
   const FlatParamHandle& handle_;
   CommContext& comm_;
+  Form form_ = Form::SHARDED;
+  bool stashed_ = false;            // grads_ holds this iteration's stashed SHARDED gradients
   std::vector<at::Tensor> grads_;   // stashed, then the reduced sharded gradients, per parameter
   at::Tensor grad_shard_;           // [shard_numel] storage behind the reduced grads_
-  at::Tensor no_sync_accum_;        // [padded_numel] unsharded gradients under no_sync
-  std::vector<bool> no_sync_got_;   // which parameters the accumulator holds gradients of
   std::optional<Pending> pending_;
 };
 

@@ -13,12 +13,14 @@
 namespace fsdp {
 
 struct MeshInfo {
+  int rank = 0;         // this rank in the world
   int world_size = 1;   // W: data-parallel ranks; gradients are averaged over them
   int shard_size = 1;   // F: ranks that share one unit's shards
   int shard_rank = 0;   // this rank's place in its shard group, 0 <= shard_rank < F
   int replicas = 1;     // W / F: shard groups holding copies of the same shards
   GroupPtr shard_group;      // F ranks: all-gather and reduce-scatter
   GroupPtr replicate_group;  // W / F ranks: all-reduce of gradient shards
+  GroupPtr world_group;      // all W ranks, CPU tensors: cross-rank checks
 };
 
 // F for `options` on W ranks with `local_world_size` ranks per node: W for FULL_SHARD and

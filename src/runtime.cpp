@@ -1,7 +1,11 @@
 #include "runtime.h"
 
+#include <algorithm>
+#include <stdexcept>
+
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -31,10 +35,41 @@ Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& opt
     if (units_[u]->handle().has_unsharded_buffer()) touch::register_storage(this, u, units_[u]->handle().unsharded_storage());
     if (units_[u]->is_root()) root_unit_ = u;
     memory_.sharded_params += units_[u]->handle().sharded_param_bytes();
+    const auto& params = units_[u]->handle().params();
+    for (size_t i = 0; i < params.size(); ++i) guard::register_param(this, u, i, params[i].unsafeGetTensorImpl());
   }
 }
 
-Runtime::~Runtime() { touch::unregister_sink(this); }
+Runtime::~Runtime() {
+  touch::unregister_sink(this);
+  guard::unregister_sink(this);
+}
+
+void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, size_t param, bool writes) {
+  touch::Suppress own_work;  // our own set_data and copies below must not come back here
+  check_not_failed();
+  const FlatParamHandle& h = units_[u]->handle();
+  const std::string& fqn = h.layout().entries()[param].fqn;
+  const auto& name = op.operator_name().name;
+  if (phase_ == Phase::FORWARD_DONE) {
+    if (!graph_alive()) {
+      end_iteration();  // the forwards since the last backward were abandoned: back to the shards
+    } else if (writes) {
+      throw std::invalid_argument(
+          "fsdp: " + name + " writes parameter '" + fqn + "' while it is gathered for a backward that has not run "
+          "yet (a forward's output, or a graph built from it, is still alive). Run backward first, or drop the outputs "
+          "of forwards you will not backward (or run them under torch::NoGradGuard), then step.");
+    }
+  }
+  if (h.state() == HandleState::SHARDED && comm_.mesh().shard_size > 1 && guard::consumes_module_shape(op.operator_name())) {
+    throw std::invalid_argument(
+        "fsdp: " + name + " was called on parameter '" + fqn + "' outside the root's forward, where it holds only "
+        "this rank's 1-D shard (" + std::to_string(h.slices()[param].length) + " of " +
+        std::to_string(h.layout().entries()[param].numel) + " elements). Call the model through "
+        "FullyShardedDataParallel::forward() or forward_with() so that its units are gathered, or read whole "
+        "parameters inside summon_full_params() (evaluation, inspection, export).");
+  }
+}
 
 void Runtime::install_hooks() {
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -86,7 +121,13 @@ void Runtime::gather(size_t u) {
 
 void Runtime::use(size_t u) {
   FlatParamHandle& handle = units_[u]->handle();
-  if (handle.state() == HandleState::UNSHARDED) return;  // the common case: one check per operator
+  if (handle.state() == HandleState::UNSHARDED) {  // the common case: one check per operator
+    if (handle.gathered_guarded()) {
+      touch::Suppress own_work;
+      handle.unguard_gathered();
+    }
+    return;
+  }
   gather(u);
   if (handle.state() != HandleState::GATHERING) return;
   touch::Suppress own_work;
@@ -107,12 +148,58 @@ void Runtime::reshard(size_t u) {
   note_memory();
 }
 
+void Runtime::check_not_failed() const {
+  if (!failure_.empty()) throw std::runtime_error(failure_);
+}
+
+void Runtime::fail(const std::string& what, size_t unit) {
+  if (failure_.empty()) {
+    failure_ = what;
+    if (failure_.rfind("fsdp:", 0) != 0) failure_ = "fsdp: unit '" + comm_.unit_name(static_cast<int>(unit)) + "': " + failure_;
+  }
+  units_[unit]->handle().poison();
+}
+
+bool Runtime::graph_alive() const {
+  for (const Unit* unit : units_) {
+    if (unit->graph_alive()) return true;
+  }
+  return false;
+}
+
+bool Runtime::at_rest() {
+  if (phase_ == Phase::FORWARD_DONE && !graph_alive()) end_iteration();
+  return phase_ == Phase::IDLE;
+}
+
+void Runtime::check_parameters_intact() const {
+  for (const Unit* unit : units_) {
+    const FlatParamHandle& h = unit->handle();
+    const auto& params = h.params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].has_storage() && params[i].storage().unsafeGetStorageImpl() == h.shard_storage() &&
+          params[i].scalar_type() == h.dtypes().master) {
+        continue;
+      }
+      throw std::invalid_argument(
+          "fsdp: parameter '" + h.layout().entries()[i].fqn + "' no longer holds this rank's shard (now " +
+          std::string(c10::toString(params[i].scalar_type())) + " on " + params[i].device().str() +
+          "): it was replaced after wrapping (model->to(), set_data() or a load into it). Move or cast the model "
+          "before wrapping it (or set Options::init_device), and change parameter values in place or inside "
+          "summon_full_params().");
+    }
+  }
+}
+
 void Runtime::begin_forward() {
+  check_not_failed();
   TORCH_CHECK(phase_ != Phase::BACKWARD && phase_ != Phase::FORWARD,
               "fsdp: the root's forward was called inside its own forward or backward; "
               "call it once per micro-batch, outside backward");
+  // Forwards whose graphs are all gone will never be backwarded: their iteration is over.
+  if (phase_ == Phase::FORWARD_DONE && !graph_alive()) end_iteration();
   if (phase_ == Phase::IDLE) {
-    for (Unit* unit : units_) unit->reduction().stash();
+    check_parameters_intact();
     order_.start_iteration();
     touch::arm(this);
   }
@@ -140,6 +227,7 @@ void Runtime::forward_ends(size_t u) {
 
 void Runtime::end_forward(bool ok) {
   touch::set_forward_thread(false);
+  check_not_failed();
   if (current_unit_ && units_[*current_unit_]->state() == Unit::State::FORWARD) forward_ends(*current_unit_);
   current_unit_.reset();
   // Units still open: the root, and units containing others (not ended by a sibling starting).
@@ -149,6 +237,11 @@ void Runtime::end_forward(bool ok) {
   for (size_t u = 0; u < units_.size(); ++u) {
     // Also frees forward prefetches that were not used (the guess from the last iteration was off).
     if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard(u);
+  }
+  // Units left gathered for backward: whatever touches them before it must ask first.
+  {
+    touch::Suppress own_work;
+    for (Unit* unit : units_) unit->handle().guard_gathered();
   }
   // A forward that threw leaves no graph to wait for, but an earlier forward of this iteration may.
   if (!ok) backward_pending_ = pending_before_forward_;
@@ -160,6 +253,22 @@ void Runtime::end_forward(bool ok) {
 }
 
 void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_graph) {
+  // libtorch swallows what a RecordFunction callback throws: record it and report it where it
+  // reaches the caller (see the header).
+  if (!failure_.empty()) {
+    units_[u]->handle().poison();
+    return;
+  }
+  try {
+    touched(u, tensor, builds_graph);
+  } catch (const std::exception& e) {
+    fail(e.what(), u);
+  } catch (...) {
+    fail("unknown exception", u);
+  }
+}
+
+void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph) {
   switch (phase_) {
     case Phase::FORWARD: {
       if (u != root_unit_) {
@@ -186,12 +295,15 @@ void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_grap
       backward_needs(u);
       break;
     case Phase::IDLE:
+      // A retained graph backwarded again (the callback stays armed for it): a backward of its own.
+      if (retained_ && torch::autograd::get_current_graph_task_id() != -1) backward_needs(u);
       break;
   }
 }
 
 void Runtime::on_backward_started() {
-  if (phase_ != Phase::FORWARD_DONE) return;
+  const bool again = phase_ == Phase::IDLE && retained_ && torch::autograd::get_current_graph_task_id() != -1;
+  if (phase_ != Phase::FORWARD_DONE && !again) return;
   phase_ = Phase::BACKWARD;
   comm_.set_backward_pass(true);
   std::weak_ptr<Runtime> weak = weak_from_this();
@@ -210,7 +322,7 @@ void Runtime::backward_needs(size_t u) {
   gather(u);
   if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch_backward(u);
   use(u);
-  units_[u]->pre_backward();
+  if (units_[u]->state() == Unit::State::IDLE) units_[u]->pre_backward();
 }
 
 void Runtime::prefetch_backward(size_t u) {
@@ -221,9 +333,14 @@ void Runtime::prefetch_backward(size_t u) {
   for (size_t v : next) gather(v);
 }
 
-void Runtime::on_grad_arriving(size_t u) { backward_needs(u); }
+void Runtime::on_grad_arriving(size_t u) {
+  check_not_failed();  // hooks are where a failure recorded in backward reaches backward()'s caller
+  backward_needs(u);
+  check_not_failed();
+}
 
 void Runtime::on_grad_accumulated(size_t u, size_t param) {
+  check_not_failed();
   on_backward_started();
   if (phase_ != Phase::BACKWARD || !units_[u]->grad_accumulated(param)) return;
   // Every gradient forward made possible for this unit is in: its backward is over.
@@ -259,6 +376,7 @@ void Runtime::finish_reductions() {
 }
 
 void Runtime::finish_backward() {
+  check_not_failed();
   touch::Suppress own_work;
   finish_reductions();
   // Units whose gradients did not all arrive through the hooks (a parameter forward touched whose
@@ -268,20 +386,56 @@ void Runtime::finish_backward() {
   }
   finish_reductions();
   note_memory();
-  end_iteration();
+  check_sequence();
+  // A graph backwarded with retain_graph may be backwarded again: stay armed for it.
+  end_iteration(torch::autograd::get_current_graph_task_keep_graph());
 }
 
-void Runtime::end_iteration() {
+void Runtime::check_sequence() {
+  if (comm_.mesh().world_size == 1) return;
+  const auto h = static_cast<int64_t>(comm_.take_sequence_hash() & ((1ULL << 62) - 1));
+  // max(h) and max(-h) in one all-reduce: every rank's h is equal exactly when they cancel.
+  at::Tensor t = at::tensor({h, -h}, at::kLong);
+  InFlight f = comm_.issue(CommKind::SEQUENCE_CHECK, Over::WORLD, -1, "the collective sequence check",
+                           [&] { return Buffers{t, at::Tensor()}; });
+  comm_.wait(f);
+  if (t[0].item<int64_t>() + t[1].item<int64_t>() == 0) return;
+  // Rare: find who differs (one more small collective, on this path only).
+  at::Tensor all = at::empty({comm_.mesh().world_size}, at::kLong);
+  at::Tensor mine = at::tensor({h}, at::kLong);
+  wait_for(comm_.mesh().world_group->_allgather_base(all, mine), "all-gather of sequence hashes");
+  std::string differ;
+  for (int r = 1; r < comm_.mesh().world_size; ++r) {
+    if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  }
+  failure_ = "fsdp: the ranks issued different collectives in this iteration (rank(s) " + differ +
+             " differ from rank 0; this is rank " + std::to_string(comm_.mesh().rank) +
+             "): their control flow differs (a branch or unit taken on some ranks only, a different number of "
+             "forwards or backwards) or they were given different options. Every rank must run the same forwards "
+             "and backwards of the same model; this step's gradients must not be used.";
+  throw std::runtime_error(failure_);
+}
+
+void Runtime::end_iteration(bool keep_graph) {
   for (size_t u = 0; u < units_.size(); ++u) {
     reshard(u);
     units_[u]->reduction().restore();
-    units_[u]->end_iteration();
+    units_[u]->end_iteration(keep_graph);
   }
   backward_pending_ = false;
+  // A graph kept by retain_graph stays backwardable as long as it lives, across other iterations.
+  for (Unit* unit : units_) {
+    for (auto& ref : unit->take_graph_refs()) {
+      if (keep_graph) retained_refs_.push_back(std::move(ref));
+    }
+  }
+  retained_refs_.erase(std::remove_if(retained_refs_.begin(), retained_refs_.end(), [](const auto& r) { return r.expired(); }),
+                       retained_refs_.end());
+  retained_ = !retained_refs_.empty();
   current_unit_.reset();
   phase_ = Phase::IDLE;
   comm_.set_backward_pass(false);
-  touch::disarm(this);
+  if (!retained_) touch::disarm(this);
 }
 
 void Runtime::reset_step() {

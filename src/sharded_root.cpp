@@ -122,8 +122,9 @@ void ShardedRoot::reset_step() {
 }
 
 double ShardedRoot::clip_grad_norm(double max_norm) {
-  TORCH_CHECK(runtime_->phase() == Phase::IDLE,
-              "fsdp: clip_grad_norm_ must be called after backward, before the optimizer step");
+  runtime_->check_not_failed();
+  TORCH_CHECK(runtime_->at_rest(), "fsdp: clip_grad_norm_ must be called after backward, before the optimizer step, "
+                                   "not between a forward and its backward");
   std::vector<const Unit*> units;
   for (const auto& u : units_) units.push_back(u.get());
   return fsdp::clip_grad_norm(units, *comm_, max_norm);

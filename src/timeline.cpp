@@ -17,6 +17,7 @@ std::string to_string(SpanKind kind) {
     case SpanKind::ALL_REDUCE: return "all-reduce";
     case SpanKind::WAIT: return "wait";
     case SpanKind::RATE_LIMIT: return "rate-limit";
+    case SpanKind::SEQUENCE_CHECK: return "sequence-check";
   }
   return "?";
 }

@@ -127,5 +127,9 @@ Suppress::~Suppress() { t_in_callback = previous_; }
 
 void set_forward_thread(bool on) { t_forward_thread = on; }
 
+bool in_root_pass() {
+  return t_forward_thread || t_in_callback || torch::autograd::get_current_graph_task_id() != -1;
+}
+
 }  // namespace touch
 }  // namespace fsdp

@@ -34,6 +34,9 @@ void disarm(TouchSink* sink);
 
 // Marks the calling thread as running a root's forward (until set back to false).
 void set_forward_thread(bool on);
+// Whether the calling thread is in a root's forward, in a backward (an autograd graph task), or in
+// the runtime's own work.
+bool in_root_pass();
 
 // While alive, operators run by this thread are not inspected: the runtime's own work (collectives,
 // copies into its buffers) must not be mistaken for the model touching a unit.

@@ -1,5 +1,7 @@
 #include "unit.h"
 
+#include <torch/csrc/autograd/variable.h>
+
 namespace fsdp {
 namespace {
 const char* name_of(Unit::State s) {
@@ -49,6 +51,8 @@ void Unit::post_forward() {
 void Unit::pre_backward() {
   transition(State::IDLE, State::PRE_BACKWARD, "pre_backward");
   span_ = comm_.timeline().begin(SpanKind::BACKWARD, index_, true);
+  // Here, not at forward: whatever the user did to the gradients since (zero_grad) counts.
+  reduction_.stash();
 }
 
 void Unit::post_backward() {
@@ -57,22 +61,46 @@ void Unit::post_backward() {
   span_.reset();
 }
 
-void Unit::end_iteration() {
+void Unit::end_iteration(bool keep_expected) {
   if (span_) comm_.timeline().end(*span_);
   span_.reset();
   state_ = State::IDLE;
+  ready_count_ = 0;
+  if (keep_expected) return;
   std::fill(expected_.begin(), expected_.end(), false);
-  expected_count_ = ready_count_ = 0;
+  expected_count_ = 0;
 }
 
 void Unit::expect_grad(const c10::TensorImpl* tensor) {
   auto it = param_index_.find(tensor);
   if (it == param_index_.end()) return;
   const size_t i = it->second;
-  if (!expected_[i] && handle_.params()[i].requires_grad()) {
+  const at::Tensor& p = handle_.params()[i];
+  if (!p.requires_grad()) return;
+  if (!expected_[i]) {
     expected_[i] = true;
     ++expected_count_;
   }
+  // The node the operator being recorded will point its graph at (made now if need be: autograd
+  // would make the same one a moment later).
+  const std::shared_ptr<torch::autograd::Node> node = torch::autograd::impl::grad_accumulator(p);
+  for (const auto& ref : graph_refs_) {
+    if (!ref.owner_before(node) && !node.owner_before(ref)) return;  // already noted
+  }
+  graph_refs_.emplace_back(node);
+}
+
+bool Unit::graph_alive() const {
+  for (const auto& ref : graph_refs_) {
+    if (!ref.expired()) return true;
+  }
+  return false;
+}
+
+std::vector<std::weak_ptr<torch::autograd::Node>> Unit::take_graph_refs() {
+  auto refs = std::move(graph_refs_);
+  graph_refs_.clear();
+  return refs;
 }
 
 bool Unit::grad_accumulated(size_t param) {

@@ -21,6 +21,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 
 #include "comm_context.h"
@@ -52,13 +53,19 @@ class Unit {
 
   void pre_forward();    // IDLE -> FORWARD
   void post_forward();   // FORWARD -> IDLE
-  void pre_backward();   // IDLE -> PRE_BACKWARD
+  void pre_backward();   // IDLE -> PRE_BACKWARD (stashes the gradients the parameters hold)
   void post_backward();  // PRE_BACKWARD -> POST_BACKWARD
-  void end_iteration();  // -> IDLE, bookkeeping cleared
+  // -> IDLE, bookkeeping cleared; `keep_expected`: a retained graph may be backwarded again and
+  // will bring the same gradients.
+  void end_iteration(bool keep_expected = false);
 
   // Forward touched `tensor` with grad mode on: if it is one of this unit's parameters that
-  // requires grad, backward will accumulate its gradient.
+  // requires grad, backward will accumulate its gradient, and the graph being built holds the
+  // parameter's AccumulateGrad node (kept here weakly: while one lives, a backward can come).
   void expect_grad(const c10::TensorImpl* tensor);
+  bool graph_alive() const;
+  // The nodes noted since the last call (a retained graph's outlive its iteration).
+  std::vector<std::weak_ptr<torch::autograd::Node>> take_graph_refs();
   // A gradient was accumulated into parameter `param`. True when it was the last one expected:
   // the unit's backward is complete.
   bool grad_accumulated(size_t param);
@@ -79,6 +86,9 @@ class Unit {
   std::unordered_map<const c10::TensorImpl*, size_t> param_index_;
   std::vector<bool> expected_;  // per parameter: forward used it with grad mode on
   int expected_count_ = 0, ready_count_ = 0;
+  // AccumulateGrad nodes of graphs built through this unit (a parameter can have several: libtorch
+  // makes a new one when set_data changes its dtype, as mixed precision does).
+  std::vector<std::weak_ptr<torch::autograd::Node>> graph_refs_;
 };
 
 }  // namespace fsdp

@@ -17,7 +17,11 @@ struct CommBytes {
   int64_t all_gather_calls = 0;
   int64_t reduce_scatter_calls = 0;
   int64_t all_reduce_calls = 0;
-  int64_t total() const { return all_gather + reduce_scatter + all_reduce; }
+  // The end-of-backward check that every rank issued the same collectives (16 bytes per backward),
+  // counted apart from the strategy's own traffic.
+  int64_t sequence_check = 0;
+  int64_t sequence_check_calls = 0;
+  int64_t total() const { return all_gather + reduce_scatter + all_reduce + sequence_check; }
 };
 
 struct MemoryBytes {

@@ -16,6 +16,7 @@ enum class SpanKind {
   ALL_REDUCE,
   WAIT,            // the compute thread blocked on a collective: exposed communication
   RATE_LIMIT,      // the compute thread blocked by the rate limiter
+  SEQUENCE_CHECK,  // the end-of-backward all-reduce that compares the ranks' collective sequences
 };
 std::string to_string(SpanKind kind);
 
@@ -33,7 +34,8 @@ struct Span {
   SpanKind waited_for = SpanKind::WAIT;  // WAIT spans: the kind of collective waited for
   std::string dtype;           // collectives: the dtype of the buffers handed to the backend
   bool is_collective() const {
-    return kind == SpanKind::ALL_GATHER || kind == SpanKind::REDUCE_SCATTER || kind == SpanKind::ALL_REDUCE;
+    return kind == SpanKind::ALL_GATHER || kind == SpanKind::REDUCE_SCATTER || kind == SpanKind::ALL_REDUCE ||
+           kind == SpanKind::SEQUENCE_CHECK;
   }
 };
 

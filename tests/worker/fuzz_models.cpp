@@ -156,7 +156,16 @@ class ReplayReference final : public Reference {
       if (params_[i].grad().defined()) params_[i].mutable_grad().add_(g); else params_[i].mutable_grad() = g;
     }
   }
-  void zero_grad(bool set_to_none) override { optim_->zero_grad(set_to_none); }
+  void zero_grad(bool set_to_none) override {
+    optim_->zero_grad(set_to_none);
+    // The unsynchronized (no_sync) sums are gradients too: locally they would be on the parameters.
+    for (auto& per_rank : accum_) {
+      for (auto& a : per_rank) {
+        if (!a.defined()) continue;
+        if (set_to_none) a = torch::Tensor(); else a.zero_();
+      }
+    }
+  }
   void step() override {
     optim_->step();
     recast();

@@ -1,0 +1,87 @@
+#include "param_guard.h"
+
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <torch/library.h>
+
+#include "touch_detection.h"
+
+namespace fsdp::guard {
+namespace {
+
+constexpr c10::DispatchKey kGuardKey = c10::DispatchKey::TESTING_ONLY_GenericWrapper;
+
+struct Entry {
+  Sink* sink;
+  size_t unit, param;
+};
+std::shared_mutex g_mutex;
+std::unordered_map<const c10::TensorImpl*, Entry> g_params;
+
+void guard_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (!touch::in_root_pass()) {
+    // Find the first guarded parameter among the arguments, and whether the operator writes it.
+    const auto& schema = op.schema();
+    const size_t n = schema.arguments().size();
+    std::optional<Entry> hit;
+    bool writes = false;
+    {
+      std::shared_lock<std::shared_mutex> lock(g_mutex);
+      for (size_t i = 0; i < n && !hit; ++i) {
+        const c10::IValue& v = (*stack)[stack->size() - n + i];
+        if (!v.isTensor()) continue;
+        auto it = g_params.find(v.toTensor().unsafeGetTensorImpl());
+        if (it == g_params.end()) continue;
+        hit = it->second;
+        const auto* alias = schema.arguments()[i].alias_info();
+        writes = alias != nullptr && alias->isWrite();
+      }
+    }
+    if (hit) hit->sink->on_guarded_op(op, hit->unit, hit->param, writes);
+  }
+  op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
+}
+
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericWrapper, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&guard_fallback>());
+}
+
+}  // namespace
+
+at::Tensor guarded(const at::Tensor& view) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(view.storage()),
+                                                   view.key_set() | c10::DispatchKeySet(kGuardKey), view.dtype());
+  impl->set_sizes_and_strides(view.sizes(), view.strides(), view.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+void register_param(Sink* sink, size_t unit, size_t param, const c10::TensorImpl* impl) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_params[impl] = Entry{sink, unit, param};
+}
+
+void unregister_sink(Sink* sink) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  for (auto it = g_params.begin(); it != g_params.end();) {
+    it = it->second.sink == sink ? g_params.erase(it) : std::next(it);
+  }
+}
+
+bool consumes_module_shape(const c10::OperatorName& name) {
+  static const std::unordered_set<std::string> ops = {
+      "aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv",
+      "aten::mv", "aten::bilinear", "aten::einsum", "aten::conv1d", "aten::conv2d", "aten::conv3d",
+      "aten::convolution", "aten::_convolution", "aten::conv_transpose1d", "aten::conv_transpose2d",
+      "aten::conv_transpose3d", "aten::embedding", "aten::embedding_bag", "aten::_embedding_bag",
+      "aten::layer_norm", "aten::native_layer_norm", "aten::group_norm", "aten::native_group_norm",
+      "aten::batch_norm", "aten::native_batch_norm", "aten::instance_norm", "aten::rms_norm",
+      "aten::scaled_dot_product_attention", "aten::prelu", "aten::lstm", "aten::gru", "aten::rnn_tanh",
+      "aten::rnn_relu"};
+  return ops.count(name.name) > 0;
+}
+
+}  // namespace fsdp::guard
