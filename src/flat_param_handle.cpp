@@ -96,6 +96,17 @@ FlatParamHandle::FlatParamHandle(int index, std::vector<std::string> fqns, std::
   }
 }
 
+size_t FlatParamHandle::param_at(const at::Tensor& view) const {
+  const bool in_shard = view.storage().unsafeGetStorageImpl() == shard_storage();
+  const int64_t offset = view.storage_offset() - (in_shard ? shard_.storage_offset() : full_.storage_offset());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t begin = in_shard && comm_.mesh().shard_size > 1 ? slices_[i].shard_offset : layout_.entries()[i].offset;
+    const int64_t length = in_shard && comm_.mesh().shard_size > 1 ? slices_[i].length : layout_.entries()[i].numel;
+    if (offset >= begin && offset < begin + std::max<int64_t>(length, 1)) return i;
+  }
+  return 0;
+}
+
 void FlatParamHandle::guard_gathered() {
   if (state_ != HandleState::UNSHARDED || !separate_buffer_ || gathered_guarded_) return;
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(guarded_full_views_[i]);
@@ -157,6 +168,34 @@ void FlatParamHandle::reshard() {
   }
   gathered_guarded_ = false;
   state_ = HandleState::SHARDED;
+}
+
+void FlatParamHandle::summon(bool keep) {
+  TORCH_INTERNAL_ASSERT(state_ == HandleState::SHARDED, "fsdp: summon_full_params needs every unit at rest");
+  if (comm_.mesh().shard_size == 1) return;  // the shard is the whole parameter already
+  at::NoGradGuard no_grad;
+  at::Tensor full;
+  InFlight f = comm_.issue(CommKind::ALL_GATHER, Over::SHARD_GROUP, index_, "parameters (summon_full_params)", [&] {
+    full = at::empty({layout_.padded_numel()}, shard_.options());
+    return Buffers{full, shard_};
+  });
+  comm_.wait(f);
+  if (!keep) return;
+  summoned_ = full;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries()[i];
+    params_[i].set_data(summoned_.narrow(0, e.offset, e.numel).view(e.shape));
+  }
+}
+
+void FlatParamHandle::end_summon(bool writeback) {
+  if (!summoned_.defined()) return;
+  at::NoGradGuard no_grad;
+  if (writeback) {
+    shard_.copy_(summoned_.narrow(0, comm_.mesh().shard_rank * layout_.shard_numel(), layout_.shard_numel()));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
+  summoned_ = at::Tensor();
 }
 
 void FlatParamHandle::poison() {

@@ -69,11 +69,19 @@ class FlatParamHandle {
   int64_t finish_unshard();
   // -> SHARDED: point parameters back at the shard and free the buffer.
   void reshard();
+  // summon_full_params: the whole parameters in the master dtype, in a buffer of their own (not
+  // the compute one: values must round-trip exactly). `keep` false: gather, then let go at once
+  // (the ranks other than 0 under rank0_only). end_summon copies this rank's part back into the
+  // shard when `writeback`.
+  void summon(bool keep);
+  void end_summon(bool writeback);
   // Between a forward and its backward, a unit left gathered (the root, the ZeRO-2 strategies) is
   // guarded (param_guard.h): anything but the root's own passes must ask the runtime first.
   void guard_gathered();
   void unguard_gathered();
   bool gathered_guarded() const { return gathered_guarded_; }
+  // Which parameter a view of the shard or of the unsharded buffer belongs to (by its offset).
+  size_t param_at(const at::Tensor& view) const;
   // After a collective failed: -> UNSHARDED without communicating, the buffer filled with NaN
   // (zeros for integer units), so that the operator that needed the unit computes harmlessly
   // until the runtime reports the failure where exceptions reach the caller.
@@ -102,6 +110,7 @@ class FlatParamHandle {
   bool gathered_guarded_ = false;
   std::vector<ShardSlice> slices_;        // this rank's slice of each parameter
   InFlight gather_;                       // the all-gather in flight while GATHERING
+  at::Tensor summoned_;                   // [padded_numel] master dtype, inside summon_full_params
 };
 
 }  // namespace fsdp

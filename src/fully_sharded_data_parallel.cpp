@@ -26,6 +26,29 @@ FullyShardedDataParallelBase::NoSync::~NoSync() {
 FullyShardedDataParallelBase::NoSync::NoSync(NoSync&& other) noexcept : root_(other.root_) { other.root_ = nullptr; }
 FullyShardedDataParallelBase::NoSync FullyShardedDataParallelBase::no_sync() { return NoSync(root_.get()); }
 
+FullyShardedDataParallelBase::FullParams::FullParams(detail::ShardedRoot* root, bool writeback)
+    : root_(root), writeback_(writeback) {}
+FullyShardedDataParallelBase::FullParams::FullParams(FullParams&& other) noexcept
+    : root_(other.root_), writeback_(other.writeback_) {
+  other.root_ = nullptr;
+}
+FullyShardedDataParallelBase::FullParams::~FullParams() {
+  if (root_) root_->end_summon(writeback_);
+}
+FullyShardedDataParallelBase::FullParams FullyShardedDataParallelBase::summon_full_params(SummonOptions options) {
+  root_->summon(options.rank0_only, options.writeback);
+  return FullParams(root_.get(), options.writeback);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelBase::named_parameters() const {
+  return root_->unique_named_parameters();
+}
+std::vector<at::Tensor> FullyShardedDataParallelBase::parameters() const {
+  std::vector<at::Tensor> out;
+  for (auto& kv : root_->unique_named_parameters()) out.push_back(kv.second);
+  return out;
+}
+
 double FullyShardedDataParallelBase::clip_grad_norm_(double max_norm) { return root_->clip_grad_norm(max_norm); }
 Metrics FullyShardedDataParallelBase::metrics() const { return root_->metrics(); }
 void FullyShardedDataParallelBase::reset_step() { root_->reset_step(); }

@@ -1,6 +1,7 @@
 #include "fsdp/grad_scaler.h"
 
 #include <stdexcept>
+#include <unordered_set>
 
 #include "collectives.h"
 
@@ -25,10 +26,13 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   // Overflow flags stay on the gradients' device until the end: one host sync per step, not per
   // tensor.
   at::Tensor local_inf;
+  // Each gradient once: an optimizer built from model->parameters() lists a tied weight twice, and
+  // dividing its gradient twice would unscale it by scale².
+  std::unordered_set<const c10::TensorImpl*> seen;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       at::Tensor g = p.mutable_grad();
-      if (!g.defined()) continue;
+      if (!g.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
       at::Tensor bad = at::logical_not(at::isfinite(g).all());
       local_inf = local_inf.defined() ? at::logical_or(local_inf, bad.to(local_inf.device())) : bad;
       g.mul_(inv);

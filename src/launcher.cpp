@@ -12,6 +12,7 @@
 #include <cstring>
 #include <iostream>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace fsdp {
@@ -24,6 +25,27 @@ int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
+}
+
+std::string describe_exit(int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : std::string());
+  }
+  return "exited with code " + std::to_string(exit_code_of(status));
+}
+
+// FSDP_LAUNCHER_GRACE_S (default 20): how long survivors of a failed rank get to end on their own.
+double launcher_grace_seconds() {
+  const char* raw = std::getenv("FSDP_LAUNCHER_GRACE_S");
+  if (raw == nullptr || *raw == '\0') return 20.0;
+  char* end = nullptr;
+  const double s = std::strtod(raw, &end);
+  if (end == raw || *end != '\0' || s < 0) {
+    throw std::invalid_argument(std::string("fsdp: FSDP_LAUNCHER_GRACE_S='") + raw + "' is not a number of seconds");
+  }
+  return s;
 }
 
 // A free TCP port on 127.0.0.1 for the job's store.
@@ -79,10 +101,14 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
     pids.push_back(pid);
   }
 
+  // When a rank fails, the launcher says which and how, then gives the others a grace period to
+  // notice it on their own (their collectives fail as soon as the peer's sockets close) and report
+  // what they were doing, before it stops them: SIGTERM, then SIGKILL.
+  const auto grace = std::chrono::milliseconds(static_cast<int64_t>(1000 * launcher_grace_seconds()));
+  using Clock = std::chrono::steady_clock;
   int first_failure = 0;
   size_t running = pids.size();
-  auto stop_deadline = std::chrono::steady_clock::time_point::max();
-  bool stopping = false;
+  auto term_at = Clock::time_point::max(), kill_at = Clock::time_point::max();
   auto stop_all = [&](int sig) {
     for (pid_t p : pids) {
       if (p > 0) ::kill(p, sig);
@@ -92,32 +118,36 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
     int status = 0;
     pid_t done = ::waitpid(-1, &status, WNOHANG);
     if (done > 0) {
-      for (auto& p : pids) {
-        if (p != done) continue;
-        p = -1;
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (pids[r] != done) continue;
+        pids[r] = -1;
         --running;
         const int code = exit_code_of(status);
-        if (code != 0 && first_failure == 0) {
+        if (code == 0) continue;
+        std::cerr << "fsdp launcher: rank " << r << " (pid " << done << ") " << describe_exit(status) << std::endl;
+        if (first_failure == 0) {
           first_failure = code;
-          if (!stopping) {
-            // One rank failed: the others would wait for it forever in their next collective.
-            stop_all(SIGTERM);
-            stopping = true;
-            stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          if (running > 0) {
+            std::cerr << "fsdp launcher: waiting up to " << grace.count() / 1000.0 << " s for the other " << running
+                      << " rank(s) to report, then stopping them" << std::endl;
+            term_at = Clock::now() + grace;
           }
         }
       }
       continue;
     }
-    if (g_stop_signal != 0 && !stopping) {
-      stop_all(SIGTERM);
-      stopping = true;
-      stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    if (g_stop_signal != 0 && term_at > Clock::now()) {
+      term_at = Clock::now();
       if (first_failure == 0) first_failure = 128 + g_stop_signal;
     }
-    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+    if (Clock::now() >= term_at) {
+      stop_all(SIGTERM);
+      term_at = Clock::time_point::max();
+      kill_at = Clock::now() + std::chrono::seconds(10);
+    }
+    if (Clock::now() >= kill_at) {
       stop_all(SIGKILL);
-      stop_deadline = std::chrono::steady_clock::time_point::max();
+      kill_at = Clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

@@ -1,5 +1,7 @@
 #include "mesh_state.h"
 
+#include <signal.h>
+
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>
@@ -40,6 +42,24 @@ int env_int(const char* name, bool required, int fallback, int min_value) {
 }
 
 }  // namespace
+
+MeshOptions MeshOptions::from_environment() {
+  MeshOptions o;
+  auto seconds = [](const char* name, std::chrono::milliseconds fallback) {
+    const char* raw = std::getenv(name);
+    if (raw == nullptr || *raw == '\0') return fallback;
+    char* end = nullptr;
+    const double s = std::strtod(raw, &end);
+    if (end == raw || *end != '\0' || !(s > 0) || s > 1e7) {
+      throw std::invalid_argument(std::string("fsdp: environment variable ") + name + "='" + raw +
+                                  "' is not a positive number of seconds");
+    }
+    return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+  };
+  o.init_timeout = seconds("FSDP_INIT_TIMEOUT_S", o.init_timeout);
+  o.collective_timeout = seconds("FSDP_COLLECTIVE_TIMEOUT_S", o.collective_timeout);
+  return o;
+}
 
 LaunchEnv LaunchEnv::from_environment() {
   LaunchEnv e;
@@ -90,12 +110,25 @@ std::shared_ptr<Mesh> Mesh::single_process() {
   return std::shared_ptr<Mesh>(new Mesh(std::move(state)));
 }
 
+// A peer that dies closes its sockets; the next write to one raises SIGPIPE, whose default action
+// kills this rank silently instead of letting the collective fail with an error that says what
+// happened. Ignore it (unless the program installed a handler of its own), as network libraries do.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &ignore, nullptr);
+  }
+}
+
 std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   if (env.world_size == 1) {
     auto mesh = single_process();
     mesh->state_->options = options;
     return mesh;
   }
+  ignore_sigpipe();
   auto state = std::make_unique<detail::MeshState>();
   state->env = env;
   state->options = options;

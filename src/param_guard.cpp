@@ -17,10 +17,10 @@ constexpr c10::DispatchKey kGuardKey = c10::DispatchKey::TESTING_ONLY_GenericWra
 
 struct Entry {
   Sink* sink;
-  size_t unit, param;
+  size_t unit;
 };
 std::shared_mutex g_mutex;
-std::unordered_map<const c10::TensorImpl*, Entry> g_params;
+std::unordered_map<const c10::StorageImpl*, Entry> g_storages;
 
 void guard_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (!touch::in_root_pass()) {
@@ -28,20 +28,23 @@ void guard_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     const auto& schema = op.schema();
     const size_t n = schema.arguments().size();
     std::optional<Entry> hit;
+    at::Tensor tensor;
     bool writes = false;
     {
       std::shared_lock<std::shared_mutex> lock(g_mutex);
       for (size_t i = 0; i < n && !hit; ++i) {
         const c10::IValue& v = (*stack)[stack->size() - n + i];
-        if (!v.isTensor()) continue;
-        auto it = g_params.find(v.toTensor().unsafeGetTensorImpl());
-        if (it == g_params.end()) continue;
+        if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) continue;
+        if (!v.toTensor().key_set().has(kGuardKey)) continue;
+        auto it = g_storages.find(v.toTensor().storage().unsafeGetStorageImpl());
+        if (it == g_storages.end()) continue;
         hit = it->second;
+        tensor = v.toTensor();
         const auto* alias = schema.arguments()[i].alias_info();
         writes = alias != nullptr && alias->isWrite();
       }
     }
-    if (hit) hit->sink->on_guarded_op(op, hit->unit, hit->param, writes);
+    if (hit) hit->sink->on_guarded_op(op, hit->unit, tensor, writes);
   }
   op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
 }
@@ -59,15 +62,15 @@ at::Tensor guarded(const at::Tensor& view) {
   return at::Tensor(std::move(impl));
 }
 
-void register_param(Sink* sink, size_t unit, size_t param, const c10::TensorImpl* impl) {
+void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage) {
   std::unique_lock<std::shared_mutex> lock(g_mutex);
-  g_params[impl] = Entry{sink, unit, param};
+  g_storages[storage] = Entry{sink, unit};
 }
 
 void unregister_sink(Sink* sink) {
   std::unique_lock<std::shared_mutex> lock(g_mutex);
-  for (auto it = g_params.begin(); it != g_params.end();) {
-    it = it->second.sink == sink ? g_params.erase(it) : std::next(it);
+  for (auto it = g_storages.begin(); it != g_storages.end();) {
+    it = it->second.sink == sink ? g_storages.erase(it) : std::next(it);
   }
 }
 

@@ -25,15 +25,17 @@ namespace fsdp::guard {
 
 struct Sink {
   virtual ~Sink() = default;
-  // An operator outside the root's forward and backward reads (or, `writes`, writes) parameter
-  // `param` of unit `unit`. May throw, which the operator's caller receives.
-  virtual void on_guarded_op(const c10::OperatorHandle& op, size_t unit, size_t param, bool writes) = 0;
+  // An operator outside the root's forward and backward reads (or, `writes`, writes) `tensor`, a
+  // parameter of unit `unit` (or a shallow copy of one: libtorch optimizers update p.data()). May
+  // throw, which the operator's caller receives.
+  virtual void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) = 0;
 };
 
 // A tensor of `view`'s storage, sizes, strides and dtype that carries the guard key.
 at::Tensor guarded(const at::Tensor& view);
 
-void register_param(Sink* sink, size_t unit, size_t param, const c10::TensorImpl* impl);
+// Guarded tensors are recognised by their storage: a unit's shard or its unsharded buffer.
+void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage);
 void unregister_sink(Sink* sink);
 
 // Operators that consume a parameter's shape as a module's forward does (linear, matmul,

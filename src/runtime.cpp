@@ -35,8 +35,8 @@ Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& opt
     if (units_[u]->handle().has_unsharded_buffer()) touch::register_storage(this, u, units_[u]->handle().unsharded_storage());
     if (units_[u]->is_root()) root_unit_ = u;
     memory_.sharded_params += units_[u]->handle().sharded_param_bytes();
-    const auto& params = units_[u]->handle().params();
-    for (size_t i = 0; i < params.size(); ++i) guard::register_param(this, u, i, params[i].unsafeGetTensorImpl());
+    guard::register_storage(this, u, units_[u]->handle().shard_storage());
+    if (units_[u]->handle().has_unsharded_buffer()) guard::register_storage(this, u, units_[u]->handle().unsharded_storage());
   }
 }
 
@@ -45,10 +45,11 @@ Runtime::~Runtime() {
   guard::unregister_sink(this);
 }
 
-void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, size_t param, bool writes) {
+void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::Tensor& tensor, bool writes) {
   touch::Suppress own_work;  // our own set_data and copies below must not come back here
   check_not_failed();
   const FlatParamHandle& h = units_[u]->handle();
+  const size_t param = h.param_at(tensor);
   const std::string& fqn = h.layout().entries()[param].fqn;
   const auto& name = op.operator_name().name;
   if (phase_ == Phase::FORWARD_DONE) {
@@ -173,6 +174,7 @@ bool Runtime::at_rest() {
 }
 
 void Runtime::check_parameters_intact() const {
+  if (summoned_) return;
   for (const Unit* unit : units_) {
     const FlatParamHandle& h = unit->handle();
     const auto& params = h.params();
@@ -193,6 +195,8 @@ void Runtime::check_parameters_intact() const {
 
 void Runtime::begin_forward() {
   check_not_failed();
+  TORCH_CHECK(!summoned_, "fsdp: forward inside summon_full_params: the parameters are whole for inspection there; "
+                          "end the summon_full_params scope before calling forward");
   TORCH_CHECK(phase_ != Phase::BACKWARD && phase_ != Phase::FORWARD,
               "fsdp: the root's forward was called inside its own forward or backward; "
               "call it once per micro-batch, outside backward");
@@ -393,12 +397,14 @@ void Runtime::finish_backward() {
 
 void Runtime::check_sequence() {
   if (comm_.mesh().world_size == 1) return;
+  const int64_t t0 = Timeline::now_ns();
   const auto h = static_cast<int64_t>(comm_.take_sequence_hash() & ((1ULL << 62) - 1));
   // max(h) and max(-h) in one all-reduce: every rank's h is equal exactly when they cancel.
   at::Tensor t = at::tensor({h, -h}, at::kLong);
   InFlight f = comm_.issue(CommKind::SEQUENCE_CHECK, Over::WORLD, -1, "the collective sequence check",
                            [&] { return Buffers{t, at::Tensor()}; });
   comm_.wait(f);
+  overlap_.sequence_check_ns += Timeline::now_ns() - t0;
   if (t[0].item<int64_t>() + t[1].item<int64_t>() == 0) return;
   // Rare: find who differs (one more small collective, on this path only).
   at::Tensor all = at::empty({comm_.mesh().world_size}, at::kLong);

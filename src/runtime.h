@@ -64,8 +64,9 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void begin_forward();
   void end_forward(bool ok);
   void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph) override;
-  void on_guarded_op(const c10::OperatorHandle& op, size_t unit, size_t param, bool writes) override;
+  void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) override;
   void set_no_sync(bool on) { no_sync_ = on; }
+  void set_summoned(bool on) { summoned_ = on; }
   Phase phase() const { return phase_; }
   // Throws the recorded failure, if any (public API entry points call it first).
   void check_not_failed() const;
@@ -111,6 +112,7 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
 
   Phase phase_ = Phase::IDLE;
   bool no_sync_ = false;
+  bool summoned_ = false;               // inside summon_full_params: no forward
   bool backward_pending_ = false;       // a forward of this iteration built a graph through a unit
   bool pending_before_forward_ = false;
   bool retained_ = false;               // a backward kept its graph and it lives: it may be backwarded again

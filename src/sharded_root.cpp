@@ -130,6 +130,34 @@ double ShardedRoot::clip_grad_norm(double max_norm) {
   return fsdp::clip_grad_norm(units, *comm_, max_norm);
 }
 
+void ShardedRoot::summon(bool rank0_only, bool writeback) {
+  runtime_->check_not_failed();
+  TORCH_CHECK(!summoned_, "fsdp: summon_full_params is already active for this model; end the first scope first");
+  TORCH_CHECK(!(rank0_only && writeback), "fsdp: summon_full_params(rank0_only, writeback) cannot write back: only "
+                                          "rank 0 holds the whole parameters. Pass writeback = false.");
+  TORCH_CHECK(runtime_->at_rest(), "fsdp: summon_full_params must be called outside forward and backward, not "
+                                   "between a forward and its backward");
+  const bool keep = !rank0_only || mesh_->rank() == 0;
+  for (auto& u : units_) u->handle().summon(keep);
+  summoned_ = true;
+  runtime_->set_summoned(true);
+}
+
+void ShardedRoot::end_summon(bool writeback) {
+  for (auto& u : units_) u->handle().end_summon(writeback);
+  summoned_ = false;
+  runtime_->set_summoned(false);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedRoot::unique_named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : module_->named_parameters(true)) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
 std::vector<UnitInfo> ShardedRoot::units() const {
   std::vector<UnitInfo> out;
   for (const auto& u : units_) {

@@ -30,6 +30,9 @@ class ShardedRoot {
   Metrics metrics() const;
   void reset_step();
   double clip_grad_norm(double max_norm);
+  void summon(bool rank0_only, bool writeback);
+  void end_summon(bool writeback);
+  std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;
   std::vector<UnitInfo> units() const;
   std::vector<Span> timeline() const { return comm_->timeline().spans(); }
   void write_trace(const std::string& path) const;
@@ -45,6 +48,7 @@ class ShardedRoot {
   std::unique_ptr<CommContext> comm_;
   std::vector<std::unique_ptr<Unit>> units_;
   std::shared_ptr<Runtime> runtime_;
+  bool summoned_ = false;
   int64_t alloc_retries_at_reset_ = 0;
   int64_t step_ = 0;
 };

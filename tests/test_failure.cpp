@@ -1,8 +1,17 @@
 // Bad input fails fast and clearly on every rank (issue: bad input): a world size not divisible
 // by F, a missing or malformed launch environment, ranks disagreeing on the world size, a model
-// that differs across ranks, and a rank that never arrives. Each case must exit non-zero on every
-// rank, within 60 seconds, with a message naming the cause.
+// or options that differ across ranks, and a rank that never arrives. Each case must exit non-zero
+// on every rank, within 60 seconds, with a message naming the cause.
+//
+// Faults end everywhere, fast, with the cause: a rank killed (SIGKILL) inside forward, inside
+// backward, inside the optimizer step or between steps, at W = 4, under the local launcher and
+// launched torchrun-style by hand (no launcher to clean up); a rank whose user code throws; a rank
+// whose forward takes another branch. Every survivor exits non-zero within 60 s with an error
+// naming the collective that failed (or the divergence). The collective timeout is short here
+// (FSDP_COLLECTIVE_TIMEOUT_S), though a dead peer is noticed at once: its sockets close.
 #include <gtest/gtest.h>
+
+#include <cctype>
 
 #include "dist_test_util.h"
 
@@ -27,9 +36,13 @@ fsdp_test::Run all_must_fail(const std::vector<std::string>& cmds) {
 int port() { return 20000 + (::getpid() * 7 + std::rand()) % 20000; }
 
 void expect_every_rank_failed(const fsdp_test::Run& run, int ranks) {
+  // all_must_fail prints "exit<code>" on a line of its own for each command.
   int failures = 0;
-  for (size_t pos = run.output.find("exit"); pos != std::string::npos; pos = run.output.find("exit", pos + 4)) {
-    if (run.output.compare(pos, 5, "exit0") != 0) ++failures;
+  std::istringstream lines(run.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("exit", 0) == 0 && line.size() > 4 && std::isdigit(static_cast<unsigned char>(line[4])) && line != "exit0") {
+      ++failures;
+    }
   }
   EXPECT_EQ(failures, ranks) << run.output;
   EXPECT_LT(run.seconds, 60.0) << run.output;
@@ -80,6 +93,88 @@ TEST(Failure, ModelDiffersAcrossRanks) {
   EXPECT_EQ(reports, 3u) << run.output;
   EXPECT_NE(run.output.find("First difference"), std::string::npos) << run.output;
   EXPECT_LT(run.seconds, 60.0);
+}
+
+TEST(Failure, ShardSizeThatMakesNoSenseIsRefused) {
+  auto run = sh(worker() + " structure --nproc-per-node 2 --strategy full_shard --shard-size 1");
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.output.find("shard_size=1 is for the hybrid strategies"), std::string::npos) << run.output;
+  run = sh(worker() + " structure --nproc-per-node 2 --strategy hybrid_shard --shard-size -2");
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.output.find("shard_size=-2 is negative"), std::string::npos) << run.output;
+}
+
+TEST(Failure, OptionsDifferAcrossRanks) {
+  auto run = sh(worker() + " structure --nproc-per-node 3 --mismatch-rank 1 --mismatch-what prefetch");
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.output.find("differs across ranks"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("backward_prefetch backward_post"), std::string::npos) << "names the option; " << run.output;
+  EXPECT_LT(run.seconds, 60.0);
+}
+
+const std::string kFaultEnv = "FSDP_COLLECTIVE_TIMEOUT_S=20 FSDP_LAUNCHER_GRACE_S=20 ";
+
+// Counts how many ranks reported an error of their own (not the launcher's lines).
+int reported(const std::string& output, const std::string& needle) {
+  int n = 0;
+  for (size_t pos = output.find(needle); pos != std::string::npos; pos = output.find(needle, pos + 1)) ++n;
+  return n;
+}
+
+// Every survivor of a killed rank 2 reported which collective failed, in its own words.
+void expect_survivors_reported(const std::string& output) {
+  for (int r : {0, 1, 3}) {
+    EXPECT_NE(output.find("parameters on rank " + std::to_string(r) + " failed"), std::string::npos)
+        << "rank " << r << " did not report the failed collective:\n" << output;
+  }
+}
+
+class KilledRank : public testing::TestWithParam<std::string> {};
+
+TEST_P(KilledRank, LocalLauncherReportsItAndEveryOtherRankEndsWithTheCause) {
+  auto run = sh(kFaultEnv + worker() + " fault --nproc-per-node 4 --fault kill --fault-rank 2 --fault-at " + GetParam(), 90);
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_LT(run.seconds, 60.0) << run.output;
+  EXPECT_NE(run.output.find("fsdp launcher: rank 2 (pid"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << run.output;
+  // Each survivor says itself which collective failed (not a SIGTERM from the launcher).
+  expect_survivors_reported(run.output);
+}
+
+TEST_P(KilledRank, TorchrunStyleEveryOtherRankEndsOnItsOwn) {
+  // Four processes given the environment by hand: nobody cleans up after the killed one.
+  std::vector<std::string> cmds;
+  const int p = port();
+  for (int r = 0; r < 4; ++r) {
+    cmds.push_back(kFaultEnv + env(r, 4, p) + worker() + " fault --fault kill --fault-rank 2 --fault-at " + GetParam());
+  }
+  auto run = all_must_fail(cmds);
+  expect_every_rank_failed(run, 4);
+  expect_survivors_reported(run.output);
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, KilledRank, testing::Values("forward", "backward", "step", "between"),
+                         [](const testing::TestParamInfo<std::string>& i) { return "In_" + i.param; });
+
+TEST(Failure, RankThatThrowsInUserCode) {
+  auto run = sh(kFaultEnv + worker() + " fault --nproc-per-node 4 --fault throw --fault-rank 1", 90);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_LT(run.seconds, 60.0) << run.output;
+  EXPECT_NE(run.output.find("user code failed in forward on rank 1"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("fsdp launcher: rank 1 (pid"), std::string::npos) << run.output;
+  for (int r : {0, 2, 3}) {
+    EXPECT_NE(run.output.find("on rank " + std::to_string(r) + " failed"), std::string::npos) << "rank " << r << ":\n" << run.output;
+  }
+}
+
+TEST(Failure, RankWhoseForwardTakesAnotherBranch) {
+  // Its units run in another order: equal-size units would silently swap shards; the
+  // end-of-backward check stops every rank before the optimizer step.
+  auto run = sh(kFaultEnv + worker() + " fault --nproc-per-node 4 --fault branch --fault-rank 3", 90);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_LT(run.seconds, 60.0) << run.output;
+  EXPECT_EQ(reported(run.output, "the ranks issued different collectives in this iteration (rank(s) 3 differ"), 4)
+      << run.output;
 }
 
 TEST(Failure, RankThatNeverArrives) {

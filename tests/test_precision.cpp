@@ -67,7 +67,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Precision,
                          });
 
 // An inf in one rank's gradient shard skips the step on every rank and backs the scale off; the
-// scale grows again after growth_interval (2) good steps.
+// scale grows again after growth_interval (2) good steps; a tied weight is unscaled once.
 TEST(ShardedGradScaler, InfOnOneRankSkipsTheStepEverywhere) {
   const int world = 3;
   const auto ranks = fsdp_test::expect_ranks("scaler", world, "--inf-rank 1");
@@ -85,6 +85,9 @@ TEST(ShardedGradScaler, InfOnOneRankSkipsTheStepEverywhere) {
     EXPECT_EQ(steps[1]["scale_after"].get<double>(), 2048.0) << what;  // grew after 2 good steps
     EXPECT_EQ(steps[2]["scale_after"].get<double>(), 1024.0) << what;  // backed off
     EXPECT_EQ(steps[4]["scale_after"].get<double>(), 2048.0) << what;
+    // The optimizer was built from libtorch's parameters(), which lists the tied weight twice:
+    // unscale_ still divides every gradient by the scale exactly once.
+    EXPECT_TRUE(ranks[static_cast<size_t>(r)]["unscaled_once"].get<bool>()) << what;
   }
 }
 

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <iostream>
 
+#include <c10/util/Exception.h>
+
 #include "config.h"
 #include "fsdp/launch.h"
 
@@ -25,8 +27,12 @@ int main(int argc, char** argv) {
       return fsdp::launch_local(1, args);
     }
     return train::train(c);
+  } catch (const c10::Error& e) {
+    // One write per line: ranks share the terminal.
+    std::cerr << (std::string("fsdp-train: error: ") + e.what_without_backtrace() + "\n") << std::flush;
+    return 1;
   } catch (const std::exception& e) {
-    std::cerr << "fsdp-train: error: " << e.what() << std::endl;
+    std::cerr << (std::string("fsdp-train: error: ") + e.what() + "\n") << std::flush;
     return 1;
   }
 }

@@ -41,7 +41,7 @@ nlohmann::json to_json(const StepRecord& r) {
           {"grad_bytes_resident", m.memory.sharded_grads},
           {"peak_unsharded_bytes", m.memory.unsharded_peak},
           {"comm_bytes", {{"all_gather", m.comm.all_gather}, {"reduce_scatter", m.comm.reduce_scatter},
-                          {"all_reduce", m.comm.all_reduce}}},
+                          {"all_reduce", m.comm.all_reduce}, {"sequence_check", m.comm.sequence_check}}},
           {"comm_calls", {{"all_gather", m.comm.all_gather_calls}, {"reduce_scatter", m.comm.reduce_scatter_calls},
                           {"all_reduce", m.comm.all_reduce_calls}}},
           {"exposed_comm_ms", ms_of(m.overlap.exposed_ns())},
@@ -49,6 +49,7 @@ nlohmann::json to_json(const StepRecord& r) {
           {"exposed_reduce_ms", ms_of(m.overlap.exposed_reduce_ns)},
           {"rate_limiter_wait_ms", ms_of(m.overlap.rate_limiter_wait_ns)},
           {"max_all_gathers_in_flight", m.overlap.max_all_gathers_in_flight},
+          {"sequence_check_ms", ms_of(m.overlap.sequence_check_ns)},
           {"device_memory", {{"allocated_peak", m.device.allocated_peak}, {"active_peak", m.device.active_peak},
                              {"reserved_peak", m.device.reserved_peak},
                              {"num_alloc_retries", m.device.num_alloc_retries}}}};

@@ -40,6 +40,12 @@ namespace detail {
 class ShardedRoot;
 }
 
+// summon_full_params' choices (see there).
+struct SummonOptions {
+  bool writeback = true;
+  bool rank0_only = false;  // other ranks gather one unit at a time and keep their shards
+};
+
 // What a wrapped model offers whatever its type: FullyShardedDataParallel<M> adds the typed
 // forward. The wrapped module stays usable as before; its parameters() are this rank's shards.
 class FullyShardedDataParallelBase {
@@ -60,6 +66,35 @@ class FullyShardedDataParallelBase {
     detail::ShardedRoot* root_;
   };
   NoSync no_sync();
+
+  // Every parameter whole, on every rank (or on rank 0 only), for as long as the returned object
+  // lives: for evaluation, inspection, export and weight surgery. Outside it a parameter holds this
+  // rank's shard (a 1-D slice when F > 1). A collective: every rank calls it, at the same point,
+  // outside forward and backward. With `writeback` (the default), in-place changes made to the
+  // whole parameters are copied back into the shards when the scope ends; make the same change on
+  // every rank. Values are the optimizer's (the master dtype, even with mixed precision);
+  // gradients stay sharded.
+  class FullParams {
+   public:
+    ~FullParams();
+    FullParams(FullParams&& other) noexcept;
+    FullParams(const FullParams&) = delete;
+    FullParams& operator=(const FullParams&) = delete;
+    FullParams& operator=(FullParams&&) = delete;
+
+   private:
+    friend class FullyShardedDataParallelBase;
+    FullParams(detail::ShardedRoot* root, bool writeback);
+    detail::ShardedRoot* root_;
+    bool writeback_;
+  };
+  FullParams summon_full_params(SummonOptions options = {});
+
+  // The model's parameters, each once, in named_parameters() order under its first name. Build
+  // optimizers from these: libtorch's own parameters() lists a tied weight under every name it is
+  // registered under, and an optimizer given that list steps it twice per step.
+  std::vector<at::Tensor> parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
 
   // Runs `fn` as the root's forward: units are gathered as `fn`'s operators reach them and (with
   // FULL_SHARD) freed once the next one starts. For a forward that is not ModuleType::forward

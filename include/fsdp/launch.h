@@ -1,7 +1,9 @@
 // The built-in local launcher: any fsdp program given --nproc-per-node N spawns N ranks of itself on
 // loopback with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT) and returns the first non-zero exit code; the other ranks are then
-// stopped, so one failing rank never leaves the rest hanging.
+// MASTER_ADDR, MASTER_PORT) and returns the first non-zero exit code. When a rank fails, the
+// launcher says which and how (exit code or signal), gives the others a grace period to notice and
+// report on their own (FSDP_LAUNCHER_GRACE_S, default 20 s), then stops them, so one failing rank
+// never leaves the rest hanging.
 #pragma once
 
 #include <optional>

@@ -31,16 +31,24 @@ struct LaunchEnv {
 
 struct MeshOptions {
   // How long rendezvous waits for every rank to arrive before failing on every rank.
+  // Default 30 s; environment: FSDP_INIT_TIMEOUT_S.
   std::chrono::milliseconds init_timeout{std::chrono::seconds(30)};
-  // How long one collective may take before it fails instead of hanging.
+  // How long one collective may wait for its peers before it fails instead of hanging: what ends a
+  // job whose peer hangs without exiting (a peer that exits is noticed at once). Default 300 s, for
+  // slow first steps of big models; environment: FSDP_COLLECTIVE_TIMEOUT_S.
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(300)};
+  // The defaults above with FSDP_INIT_TIMEOUT_S and FSDP_COLLECTIVE_TIMEOUT_S applied (seconds, may
+  // be fractional); throws std::invalid_argument naming a variable that is not a positive number.
+  static MeshOptions from_environment();
 };
 
 class Mesh {
  public:
   // Connects to the TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), checks that every rank
-  // was launched with the same world size, and builds the world group (Gloo; CPU tensors).
-  static std::shared_ptr<Mesh> create(const LaunchEnv& env, MeshOptions options = {});
+  // was launched with the same world size, and builds the world group (Gloo; CPU tensors). Sets
+  // SIGPIPE to be ignored if it has its default action, so that a dead peer's closed socket makes
+  // a collective fail with an error rather than kill this rank.
+  static std::shared_ptr<Mesh> create(const LaunchEnv& env, MeshOptions options = MeshOptions::from_environment());
   // A world of one process: no store, no sockets. Used by local training and by W = 1 runs.
   static std::shared_ptr<Mesh> single_process();
   ~Mesh();

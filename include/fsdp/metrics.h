@@ -42,7 +42,8 @@ struct OverlapStats {
   int64_t exposed_reduce_ns = 0;         // waiting for gradient reductions (mostly at backward's end)
   int64_t rate_limiter_wait_ns = 0;      // blocked by the rate limiter
   int64_t max_all_gathers_in_flight = 0; // the most all-gathers issued and not yet consumed at once
-  int64_t exposed_ns() const { return exposed_all_gather_ns + exposed_reduce_ns + rate_limiter_wait_ns; }
+  int64_t sequence_check_ns = 0;         // the end-of-backward check that all ranks issued the same collectives
+  int64_t exposed_ns() const { return exposed_all_gather_ns + exposed_reduce_ns + rate_limiter_wait_ns; }  // not the check
 };
 
 // The CUDA caching allocator's statistics for the root's device (zeros on CPU), since the last

@@ -32,6 +32,12 @@ Args parse(int argc, char** argv) {
     else if (k == "--seeds") a.seeds = v;
     else if (k == "--mixed-precision") a.mixed_precision = v;
     else if (k == "--calls") a.calls = std::stoi(v);
+    else if (k == "--fault") a.fault = v;
+    else if (k == "--fault-at") a.fault_at = v;
+    else if (k == "--fault-rank") a.fault_rank = std::stoi(v);
+    else if (k == "--fault-step") a.fault_step = std::stoi(v);
+    else if (k == "--sequence") a.sequence = v;
+    else if (k == "--mismatch-what") a.mismatch_what = v;
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;

@@ -1,5 +1,5 @@
 // fsdp-test-worker fuzz --strategy S [--shard-size F] [--mixed-precision none|bf16] --seeds A:B
-//                       [--calls N] --out PREFIX
+//                       [--calls N] [--sequence CODES] --out PREFIX
 //   The loop fuzzer: for each seed in [A, B), draws a random sequence of the calls a training loop
 //   makes — zero_grad (to None or to zero) anywhere, forwards with and without grad, forwards
 //   never backwarded, several forwards then one backward, backward with retain_graph twice,
@@ -8,6 +8,11 @@
 //   losses, this rank's part of every gradient and every parameter after every call. Writes the
 //   seeds that failed, each with its sequence and first difference: replay one with
 //   --seeds S:S+1. Every rank draws the same sequence (same seed), as SPMD training requires.
+//   --sequence runs the given calls instead of random ones (the seed still picks the model and the
+//   output type), one code each, comma-separated: Z0 zero_grad(set_to_none=false), Z zero_grad(),
+//   F forward, E forward under NoGradGuard, G forward never backwarded, B backward, R
+//   backward(retain_graph), N no_sync{forward; backward}, C clip_grad_norm_, S optimizer.step().
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -64,9 +69,25 @@ void compare(Seed& s, const char* kind, const std::string& fqn, const torch::Ten
   }
 }
 
+std::vector<Call> parse_sequence(const std::string& text) {
+  static const std::map<std::string, Call> codes = {
+      {"Z0", Call::ZERO_GRAD}, {"Z", Call::ZERO_GRAD_TO_NONE}, {"F", Call::FORWARD}, {"E", Call::EVAL_NO_GRAD},
+      {"G", Call::FORWARD_NEVER_BACKWARDED}, {"B", Call::BACKWARD}, {"R", Call::BACKWARD_RETAIN_GRAPH},
+      {"N", Call::NO_SYNC_MICRO_BATCH}, {"C", Call::CLIP}, {"S", Call::STEP}};
+  std::vector<Call> out;
+  std::stringstream in(text);
+  std::string code;
+  while (std::getline(in, code, ',')) {
+    auto it = codes.find(code);
+    if (it == codes.end()) throw std::invalid_argument("fuzz: unknown call code '" + code + "' in --sequence");
+    out.push_back(it->second);
+  }
+  return out;
+}
+
 template <typename Out>
 std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, uint64_t seed, int calls,
-                     const std::optional<fsdp::MixedPrecision>& mp) {
+                     const std::optional<fsdp::MixedPrecision>& mp, const std::vector<Call>& given) {
   const int W = mesh->world_size(), rank = mesh->rank();
   const int64_t per = kGlobalBatch / W;
   std::mt19937_64 rng(seed * 2654435761ULL + 17);
@@ -115,13 +136,14 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
     if (!retain) pending.clear();
   };
 
+  if (!given.empty()) calls = static_cast<int>(given.size());
   for (int c = 0; c < calls && s.failure.empty(); ++c) {
     std::vector<Call> allowed{Call::ZERO_GRAD, Call::ZERO_GRAD_TO_NONE, Call::FORWARD, Call::FORWARD,
                               Call::EVAL_NO_GRAD, Call::FORWARD_NEVER_BACKWARDED};
     if (!pending.empty()) allowed.insert(allowed.end(), {Call::BACKWARD, Call::BACKWARD, Call::BACKWARD_RETAIN_GRAPH});
     if (pending.empty()) allowed.push_back(Call::NO_SYNC_MICRO_BATCH);
     if (pending.empty() && !unsynced) allowed.insert(allowed.end(), {Call::CLIP, Call::STEP, Call::STEP});
-    const Call call = allowed[rng() % allowed.size()];
+    const Call call = given.empty() ? allowed[rng() % allowed.size()] : given[static_cast<size_t>(c)];
     s.calls << " " << kCallNames[static_cast<int>(call)] << ";";
     try {
       switch (call) {
@@ -193,18 +215,19 @@ json run_fuzz(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     const auto d = fsdp::parse_dtype(a.mixed_precision);
     mp = fsdp::MixedPrecision{d, d, d, false};
   }
+  const std::vector<Call> given = a.sequence.empty() ? std::vector<Call>{} : parse_sequence(a.sequence);
   json failures = json::array();
   for (uint64_t seed = first; seed < last; ++seed) {
     const fsdp::Options opts = options_from(a);
     std::string failure;
     switch (static_cast<OutKind>(seed % kOutKinds)) {
-      case OutKind::TENSOR: failure = run_seed<torch::Tensor>(mesh, opts, seed, a.calls, mp); break;
-      case OutKind::PAIR: failure = run_seed<std::pair<torch::Tensor, int64_t>>(mesh, opts, seed, a.calls, mp); break;
-      case OutKind::STRUCT: failure = run_seed<TwoHeads>(mesh, opts, seed, a.calls, mp); break;
-      case OutKind::MAP: failure = run_seed<std::map<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp); break;
-      case OutKind::DICT: failure = run_seed<c10::Dict<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp); break;
-      case OutKind::IVALUE: failure = run_seed<c10::IValue>(mesh, opts, seed, a.calls, mp); break;
-      case OutKind::NESTED: failure = run_seed<NestedOut>(mesh, opts, seed, a.calls, mp); break;
+      case OutKind::TENSOR: failure = run_seed<torch::Tensor>(mesh, opts, seed, a.calls, mp, given); break;
+      case OutKind::PAIR: failure = run_seed<std::pair<torch::Tensor, int64_t>>(mesh, opts, seed, a.calls, mp, given); break;
+      case OutKind::STRUCT: failure = run_seed<TwoHeads>(mesh, opts, seed, a.calls, mp, given); break;
+      case OutKind::MAP: failure = run_seed<std::map<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp, given); break;
+      case OutKind::DICT: failure = run_seed<c10::Dict<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp, given); break;
+      case OutKind::IVALUE: failure = run_seed<c10::IValue>(mesh, opts, seed, a.calls, mp, given); break;
+      case OutKind::NESTED: failure = run_seed<NestedOut>(mesh, opts, seed, a.calls, mp, given); break;
     }
     if (!failure.empty()) failures.push_back(json{{"seed", seed}, {"failure", failure}});
   }

@@ -14,7 +14,8 @@ const std::map<std::string, Mode>& modes() {
       {"parity", run_parity},       {"accounting", run_accounting}, {"structure", run_structure},
       {"overlap", run_overlap},     {"dynamic", run_dynamic},       {"precision", run_precision},
       {"scaler", run_scaler},       {"sync", run_sync},             {"deferred", run_deferred},
-      {"fuzz", run_fuzz},
+      {"fuzz", run_fuzz},           {"fault", run_fault},           {"misuse", run_misuse},
+      {"summon", run_summon},
   };
   return table;
 }
@@ -44,8 +45,12 @@ int main(int argc, char** argv) {
   try {
     if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
     return worker::run(worker::parse(argc, argv));
+  } catch (const c10::Error& e) {
+    // One write per line: ranks share the terminal.
+    std::cerr << (std::string("fsdp-test-worker: error: ") + e.what_without_backtrace() + "\n") << std::flush;
+    return 1;
   } catch (const std::exception& e) {
-    std::cerr << "fsdp-test-worker: error: " << e.what() << std::endl;
+    std::cerr << (std::string("fsdp-test-worker: error: ") + e.what() + "\n") << std::flush;
     return 1;
   }
 }

@@ -23,6 +23,7 @@ json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   so.growth_interval = 2;
   fsdp::ShardedGradScaler scaler(mesh, so);
   json steps = json::array();
+  bool out_unscaled_once = false;
   for (int step = 0; step < 5; ++step) {
     opt.zero_grad();
     auto loss = gpt_loss([&](const torch::Tensor& x) { return sharded.forward(x); }, step, rank * per, rank * per + per);
@@ -36,6 +37,20 @@ json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
         }
       }
     }
+    if (step == 0) {
+      // The optimizer lists the tied weight twice (it was built from libtorch's parameters()):
+      // every gradient must still be divided by the scale exactly once.
+      std::vector<torch::Tensor> scaled;
+      for (auto& p : mine->parameters()) scaled.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+      const double scale = scaler.get_scale();
+      scaler.unscale_(opt);
+      bool once = true;
+      auto params = mine->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (scaled[i].defined()) once = once && torch::equal(params[i].grad(), scaled[i] / scale);
+      }
+      out_unscaled_once = once;
+    }
     double before = 0;
     for (auto& p : mine->parameters()) before += p.detach().to(torch::kDouble).sum().item<double>();
     const double scale_before = scaler.get_scale();
@@ -46,7 +61,7 @@ json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     steps.push_back(json{{"stepped", stepped}, {"scale_before", scale_before}, {"scale_after", scaler.get_scale()},
                          {"params_changed", before != after}, {"loss", loss.item<double>()}});
   }
-  return json{{"steps", steps}};
+  return json{{"steps", steps}, {"unscaled_once", out_unscaled_once}};
 }
 
 }  // namespace worker

@@ -1,6 +1,7 @@
-// fsdp-test-worker structure [--strategy S --shard-size F] [--mismatch-rank R]
-//   Builds and wraps the tiny GPT (rank R builds a different one) and exits: what construction
-//   checks across ranks, and how it fails.
+// fsdp-test-worker structure [--strategy S --shard-size F] [--mismatch-rank R [--mismatch-what W]]
+//   Builds and wraps the tiny GPT and exits: what construction checks across ranks, and how it
+//   fails. Rank R builds a different model (W = model) or passes a different backward prefetch
+//   (W = prefetch).
 #include "worker.h"
 
 namespace worker {
@@ -8,9 +9,13 @@ namespace worker {
 json run_structure(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   torch::manual_seed(0);
   auto cfg = models::GPTConfig::preset("tiny");
-  if (mesh->rank() == a.mismatch_rank) cfg.d_model += 2;  // a different model on one rank
+  fsdp::Options opts = options_from(a);
+  if (mesh->rank() == a.mismatch_rank) {
+    if (a.mismatch_what == "prefetch") opts.backward_prefetch = fsdp::BackwardPrefetch::BACKWARD_POST;
+    else cfg.d_model += 2;  // a different model on one rank
+  }
   models::GPT gpt(cfg);
-  fsdp::FullyShardedDataParallel sharded(gpt, mesh, options_from(a));
+  fsdp::FullyShardedDataParallel sharded(gpt, mesh, opts);
   return nullptr;
 }
 

@@ -5,7 +5,7 @@
 //
 // Each mode is one file here, registered in main.cpp's table (as nccl-tests puts each collective
 // behind one struct): parity, accounting, structure, overlap, dynamic, precision, scaler, sync,
-// deferred, fuzz. Their flags and what they write are described at the top of each file.
+// deferred, fuzz, fault, misuse, summon. Their flags and what they write are described at the top of each file.
 // --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
@@ -44,6 +44,10 @@ struct Args {
   int keep_low_grads = 0;
   std::string seeds = "0:1";  // fuzz: seeds [A, B)
   std::string mixed_precision = "none";  // fuzz: none, bf16 or fp16 (param and reduce dtype)
+  std::string fault = "kill", fault_at = "forward";  // fault: what happens, where
+  int fault_rank = -1, fault_step = 2;
+  std::string sequence;  // fuzz: explicit calls instead of random ones
+  std::string mismatch_what = "model";  // structure: what differs on --mismatch-rank
   int calls = 12;             // fuzz: calls per sequence
 };
 Args parse(int argc, char** argv);
@@ -115,5 +119,8 @@ json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_sync(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_deferred(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_fuzz(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_summon(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 
 }  // namespace worker

@@ -1,0 +1,137 @@
+// Equal to local training under every loop a user writes (issue: loop-shape independence), and
+// clear errors where a loop leaves the supported path.
+//
+// The loop fuzzer (tests/worker/fuzz.cpp) draws sequences of zero_grad / forward / eval forwards /
+// forwards never backwarded / backward / retain_graph / no_sync / clip / step calls on models whose
+// forward returns one of seven C++ types, and compares losses, gradients and parameters with local
+// training (fp32) or the replayed casts of mixed precision (bf16) after every call. Here: fixed
+// seeds for every strategy (224 sequences), then named sequences for each loop the issue lists.
+// scripts/fuzz runs it over more seeds.
+#include <gtest/gtest.h>
+
+#include "dist_test_util.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+struct Config {
+  std::string strategy;
+  int world;
+  int shard_size;
+  std::string precision;
+};
+std::string name_of(const Config& c) {
+  return c.strategy + "_W" + std::to_string(c.world) + (c.shard_size ? "_F" + std::to_string(c.shard_size) : "") +
+         "_" + c.precision;
+}
+std::string flags_of(const Config& c) {
+  return "--strategy " + c.strategy + (c.shard_size ? " --shard-size " + std::to_string(c.shard_size) : "") +
+         " --mixed-precision " + c.precision;
+}
+
+// Every rank's failures (each with its seed, its sequence and the first difference).
+void expect_no_failures(const fsdp_test::RankResults& r, const std::string& what) {
+  ASSERT_EQ(r.run.exit_code, 0) << what << "\n" << r.run.output;
+  for (const auto& rank : r.ranks) {
+    for (const auto& f : rank["failures"]) {
+      ADD_FAILURE() << what << " rank " << rank["rank"] << " seed " << f["seed"] << " (replay: fsdp-test-worker fuzz "
+                    << "--seeds " << f["seed"] << ":" << f["seed"].get<int>() + 1 << " ...):\n  " << f["failure"].get<std::string>();
+    }
+  }
+}
+
+class Fuzz : public testing::TestWithParam<Config> {};
+
+TEST_P(Fuzz, FixedSeedsMatchTheReference) {
+  const auto& c = GetParam();
+  const auto r = fsdp_test::run_ranks("fuzz", c.world, flags_of(c) + " --seeds 0:14");
+  expect_no_failures(r, name_of(c));
+}
+
+const Config kConfigs[] = {
+    {"full_shard", 2, 0, "none"},        {"full_shard", 3, 0, "bf16"},        {"shard_grad_op", 2, 0, "bf16"},
+    {"shard_grad_op", 3, 0, "none"},     {"no_shard", 2, 0, "none"},          {"no_shard", 3, 0, "bf16"},
+    {"hybrid_shard", 4, 2, "none"},      {"hybrid_shard", 4, 2, "bf16"},      {"hybrid_shard_zero2", 4, 2, "none"},
+    {"hybrid_shard_zero2", 4, 2, "bf16"}, {"full_shard", 2, 0, "bf16"},       {"full_shard", 3, 0, "none"},
+    {"shard_grad_op", 2, 0, "none"},     {"shard_grad_op", 3, 0, "bf16"},     {"no_shard", 2, 0, "bf16"},
+    {"no_shard", 3, 0, "none"}};
+INSTANTIATE_TEST_SUITE_P(Strategies, Fuzz, testing::ValuesIn(kConfigs),
+                         [](const testing::TestParamInfo<Config>& i) { return name_of(i.param); });
+
+// A named loop, run as an explicit call sequence on the GPT (seed 0: forward returns a Tensor)
+// and on the uneven net with a std::pair result (seed 1), for the strategies that differ most.
+void run_sequence(const std::string& sequence) {
+  for (const Config& c : {Config{"full_shard", 2, 0, "none"}, Config{"shard_grad_op", 3, 0, "none"},
+                          Config{"no_shard", 2, 0, "bf16"}, Config{"hybrid_shard", 4, 2, "none"}}) {
+    const auto r = fsdp_test::run_ranks("fuzz", c.world, flags_of(c) + " --seeds 0:2 --sequence " + sequence);
+    expect_no_failures(r, sequence + " under " + name_of(c));
+  }
+}
+
+TEST(Loops, ZeroGradBetweenForwardAndBackward) { run_sequence("Z,F,Z,B,S,F,Z0,B,S"); }
+TEST(Loops, ZeroGradBeforeForwardAndAfterStep) { run_sequence("Z,F,B,S,Z0,F,B,S,Z"); }
+TEST(Loops, EvalForwardWithAndWithoutNoGradBetweenSteps) { run_sequence("Z,F,B,S,E,G,Z,F,B,S"); }
+TEST(Loops, ForwardNeverBackwardedThenStep) { run_sequence("Z,F,B,G,S,Z,F,B,S"); }
+TEST(Loops, TwoForwardsThenOneBackward) { run_sequence("Z,F,F,B,S,Z,F,G,F,B,S"); }
+TEST(Loops, BackwardTwiceWithRetainGraph) { run_sequence("Z,F,R,B,S,Z,F,R,E,B,S"); }
+TEST(Loops, NoSyncMicroBatchesThenSynchronized) { run_sequence("Z,N,N,F,B,C,S"); }
+TEST(Loops, ZeroGradAfterNoSyncDiscardsIt) { run_sequence("Z,F,B,N,Z,F,B,S,N,Z0,F,B,S"); }
+
+// Every output type the forward may return (std::pair, a struct, std::map, torch::Dict, IValue,
+// nested containers), through a whole training loop.
+TEST(Loops, ForwardOutputsOfAnyType) {
+  for (const Config& c : {Config{"full_shard", 2, 0, "none"}, Config{"no_shard", 2, 0, "none"}}) {
+    const auto r = fsdp_test::run_ranks("fuzz", c.world, flags_of(c) + " --seeds 0:7 --sequence Z,F,B,S,Z,F,B,S");
+    expect_no_failures(r, name_of(c));
+  }
+}
+
+// Stepping outside the supported path: each case says what happened and what to do instead.
+TEST(Misuse, ClearErrorsInsteadOfWrongResults) {
+  for (const std::string strategy : {"full_shard", "shard_grad_op"}) {
+    const auto ranks = fsdp_test::expect_ranks("misuse", 2, "--strategy " + strategy);
+    ASSERT_EQ(ranks.size(), 2u);
+    for (const auto& j : ranks) {
+      const std::string what = strategy + " " + j.dump();
+      EXPECT_NE(j["direct_call"].get<std::string>().find("outside the root's forward"), std::string::npos) << what;
+      EXPECT_NE(j["direct_call"].get<std::string>().find("summon_full_params"), std::string::npos) << what;
+      EXPECT_EQ(j["wrapped_call"], "") << what;
+      EXPECT_LT(j["shard_numel"].get<int64_t>(), j["full_numel"].get<int64_t>()) << "outside forward: the shard; " << what;
+      EXPECT_NE(j["to_after_wrap"].get<std::string>().find("no longer holds this rank's shard"), std::string::npos) << what;
+      EXPECT_NE(j["set_data_after_wrap"].get<std::string>().find("'ln_f.weight'"), std::string::npos) << what;
+      EXPECT_NE(j["step_before_backward"].get<std::string>().find("while it is gathered for a backward"), std::string::npos) << what;
+      EXPECT_EQ(j["backward_after_refusal"], "") << what;
+      EXPECT_EQ(j["step_after_backward"], "") << what;
+      // The tied embedding/head once in the wrapper's list, twice in libtorch's.
+      EXPECT_EQ(j["unique_parameters"].get<int>() + 1, j["libtorch_parameters"].get<int>()) << what;
+      EXPECT_EQ(j["named_first"], "tok_emb.weight") << what;
+    }
+  }
+}
+
+// summon_full_params: whole parameters equal to local training's on every rank, the master dtype,
+// rank0_only, and weight surgery written back into the shards.
+TEST(SummonFullParams, WholeParametersAndWriteback) {
+  struct Case {
+    std::string flags;
+    int world;
+  };
+  for (const Case& c : {Case{"--strategy full_shard", 2}, Case{"--strategy shard_grad_op", 3},
+                        Case{"--strategy hybrid_shard --shard-size 2", 4}, Case{"--strategy full_shard --mixed-precision bf16", 2}}) {
+    const auto ranks = fsdp_test::expect_ranks("summon", c.world, c.flags);
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(c.world)) << c.flags;
+    for (const auto& j : ranks) {
+      const std::string what = c.flags + " " + j.dump();
+      EXPECT_LE(j["full_diff"].get<double>(), 1e-5) << what;
+      EXPECT_GE(j["full_diff"].get<double>(), 0.0) << "every parameter whole on every rank; " << what;
+      EXPECT_EQ(j["slice_diff"].get<double>(), 0.0) << what;
+      EXPECT_EQ(j["dtypes"], json::array({"fp32"})) << what;
+      EXPECT_EQ(j["rank0_only_whole"].get<bool>(), j["rank"].get<int>() == 0) << what;
+      EXPECT_LE(j["after_surgery_shard_diff"].get<double>(), 1e-5) << what;
+      EXPECT_NE(j["forward_inside"].get<std::string>().find("inside summon_full_params"), std::string::npos) << what;
+    }
+  }
+}
+
+}  // namespace

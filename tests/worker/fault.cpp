@@ -1,0 +1,92 @@
+// fsdp-test-worker fault --fault kill|throw|branch --fault-rank R --fault-at forward|backward|step|between
+//                        [--fault-step S] [--strategy S]
+//   Trains a 4-block GPT-like stack; at step S (default 2) rank R: is killed with SIGKILL at the
+//   given point of the iteration (inside forward, inside backward, inside the optimizer step, or
+//   between steps), or throws from its forward (user code failing), or runs its blocks in another
+//   order (control flow that differs across ranks). The surviving ranks must each end with an error
+//   that names what failed, within the collective timeout; the test drivers time them.
+#include <signal.h>
+
+#include <iostream>
+
+#include "worker.h"
+
+namespace worker {
+namespace {
+
+struct StackImpl : torch::nn::Module {
+  StackImpl() {
+    emb = register_module("emb", torch::nn::Embedding(256, 32));
+    for (int i = 0; i < 4; ++i) blocks.push_back(register_module("block" + std::to_string(i), torch::nn::Linear(32, 32)));
+    head = register_module("head", torch::nn::Linear(32, 256));
+  }
+  // `between(i)` runs before block i; `order` is the block order.
+  torch::Tensor forward(const torch::Tensor& x, const std::vector<int>& order, const std::function<void(int, torch::Tensor&)>& between) {
+    auto h = emb(x);
+    for (int i : order) {
+      between(i, h);
+      h = torch::tanh(blocks[static_cast<size_t>(i)](h));
+    }
+    return head(h);
+  }
+  torch::nn::Embedding emb{nullptr};
+  std::vector<torch::nn::Linear> blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Stack);
+
+}  // namespace
+
+json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
+  const int rank = mesh->rank();
+  const int64_t per = kGlobalBatch / mesh->world_size();
+  fsdp::Options opts = options_from(a);
+  opts.auto_wrap_policy = fsdp::module_type_policy<torch::nn::LinearImpl>();
+  torch::manual_seed(0);
+  Stack model;
+  fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
+  torch::optim::AdamW optim(sharded.parameters(), torch::optim::AdamWOptions(1e-3));
+  const bool mine = rank == a.fault_rank;
+  auto say = [&](const std::string& what) { std::cerr << "rank " << rank << ": " << what << std::endl; };
+  for (int step = 0; step < 6; ++step) {
+    const bool now = mine && step == a.fault_step;
+    if (now && a.fault == "kill" && a.fault_at == "between") {
+      say("killed between steps");
+      ::raise(SIGKILL);
+    }
+    auto [x, y] = corpus().batch(step, kGlobalBatch, 16, 3, rank * per, rank * per + per);
+    optim.zero_grad();
+    std::vector<int> order{0, 1, 2, 3};
+    if (now && a.fault == "branch") order = {3, 2, 1, 0};  // this rank's control flow differs
+    auto logits = sharded.forward_with([&] {
+      return model->forward(x, order, [&](int i, torch::Tensor& h) {
+        if (!now || i != 2) return;
+        if (a.fault == "kill" && a.fault_at == "forward") {
+          say("killed in forward");
+          ::raise(SIGKILL);
+        }
+        if (a.fault == "throw") throw std::runtime_error("user code failed in forward on rank " + std::to_string(rank));
+        if (a.fault == "kill" && a.fault_at == "backward") {
+          h.register_hook([&](const torch::Tensor&) {
+            say("killed in backward");
+            ::raise(SIGKILL);
+          });
+        }
+      });
+    });
+    auto loss = models::lm_loss(logits, y);
+    loss.backward();
+    if (now && a.fault == "kill" && a.fault_at == "step") {
+      optim.step([&] {
+        say("killed in the optimizer step");
+        ::raise(SIGKILL);
+        return torch::Tensor();
+      });
+    } else {
+      optim.step();
+    }
+  }
+  return json{{"rank", rank}, {"completed", true}};
+}
+
+}  // namespace worker

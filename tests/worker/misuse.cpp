@@ -1,0 +1,80 @@
+// fsdp-test-worker misuse [--strategy S] --out PREFIX
+//   What happens when a user steps outside the supported path, one fresh tiny GPT per case: the
+//   model's own forward called directly, model->to() or set_data() on a parameter after wrapping,
+//   an optimizer step while a forward's graph still needs gathered parameters, reading parameters
+//   outside forward, and the wrapper's deduplicated parameter list. Writes, per case, the error
+//   message (or "" when nothing was thrown) and what was observed.
+#include "worker.h"
+
+namespace worker {
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
+  const int rank = mesh->rank();
+  const int64_t per = kGlobalBatch / mesh->world_size();
+  fsdp::Options opts = options_from(a);
+  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
+  auto fresh = [&] {
+    torch::manual_seed(0);
+    return models::GPT(models::GPTConfig::preset("tiny"));
+  };
+  auto batch = [&] { return corpus().batch(0, kGlobalBatch, 32, 5, rank * per, rank * per + per); };
+  json out;
+
+  {  // the model's own forward, called directly
+    auto model = fresh();
+    fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
+    auto [x, y] = batch();
+    out["direct_call"] = error_of([&] { model->forward(x); });
+    // Through the wrapper the same call works, and the model's parameters read outside forward are
+    // this rank's shards.
+    auto fc = model->named_parameters()["blocks.0.mlp.fc.weight"];
+    out["shard_numel"] = fc.numel();
+    out["full_numel"] = 4 * 32 * 32;
+    out["wrapped_call"] = error_of([&] { models::lm_loss(sharded.forward(x), y).backward(); });
+    out["unique_parameters"] = sharded.parameters().size();
+    out["libtorch_parameters"] = model->parameters().size();
+    out["named_first"] = sharded.named_parameters().front().first;
+  }
+  {  // an optimizer step while the forward's graph (which needs gathered parameters) is alive
+    auto model = fresh();
+    fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
+    torch::optim::SGD optim(sharded.parameters(), torch::optim::SGDOptions(0.1));
+    auto [x, y] = batch();
+    models::lm_loss(sharded.forward(x), y).backward();  // gradients to step with
+    auto loss = models::lm_loss(sharded.forward(x), y);
+    out["step_before_backward"] = error_of([&] { optim.step(); });
+    out["backward_after_refusal"] = error_of([&] { loss.backward(); });
+    out["step_after_backward"] = error_of([&] { optim.step(); });
+  }
+  {  // model->to() after wrapping
+    auto model = fresh();
+    fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
+    model->to(torch::kDouble);
+    auto [x, y] = batch();
+    out["to_after_wrap"] = error_of([&] { sharded.forward(x); });
+  }
+  {  // set_data on a managed parameter
+    auto model = fresh();
+    fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
+    auto p = model->named_parameters()["ln_f.weight"];
+    p.set_data(torch::ones({32}));
+    auto [x, y] = batch();
+    out["set_data_after_wrap"] = error_of([&] { sharded.forward(x); });
+  }
+  out["rank"] = rank;
+  return out;
+}
+
+}  // namespace worker
