@@ -23,6 +23,11 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--lr", c.lr, "AdamW learning rate");
   app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");
   app.add_option("--log-every", c.log_every, "print every N steps")->check(CLI::PositiveNumber);
+  app.add_option("--grad-accum", c.grad_accum,
+                 "micro-batches per step (gradient accumulation; all but the last without communication)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--eval-every", c.eval_every, "every N steps, print the loss on a held-out batch (0: never)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", c.threads, "intra-op threads per rank (default: the cores divided among the local ranks)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--device", c.device, "cpu (Gloo) or cuda (NCCL; rank i uses GPU i mod the visible count)")

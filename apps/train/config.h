@@ -26,6 +26,8 @@ struct Config {
   double weight_decay = 0.1;
   double clip = 1.0;
   int log_every = 10;
+  int grad_accum = 1;        // micro-batches per step; all but the last under no_sync
+  int eval_every = 0;        // every N steps, the loss on a held-out batch (forward only); 0: never
   int threads = 0;           // intra-op threads per rank; 0: the cores divided among the local ranks
   bool local = false;        // baseline: plain libtorch training in one process, no fsdp
   std::string export_init;   // write initial weights, batches and settings here, then exit

@@ -8,6 +8,7 @@ class LocalTrainee final : public Trainee {
   LocalTrainee(models::GPT model, std::vector<torch::Tensor> unique) : model_(std::move(model)), unique_(std::move(unique)) {}
   void begin_step() override {}
   torch::Tensor forward(const torch::Tensor& x) override { return model_->forward(x); }
+  std::shared_ptr<void> no_sync() override { return nullptr; }
   void clip_grad_norm(double max_norm) override { torch::nn::utils::clip_grad_norm_(unique_, max_norm); }
   fsdp::Metrics metrics() const override {
     fsdp::Metrics m;
@@ -30,6 +31,9 @@ class ShardedTrainee final : public Trainee {
       : fsdp_(model, std::move(mesh), std::move(options)), strategy_(std::move(strategy)) {}
   void begin_step() override { fsdp_.reset_step(); }
   torch::Tensor forward(const torch::Tensor& x) override { return fsdp_.forward(x); }
+  std::shared_ptr<void> no_sync() override {
+    return std::make_shared<fsdp::FullyShardedDataParallelBase::NoSync>(fsdp_.no_sync());
+  }
   void clip_grad_norm(double max_norm) override { fsdp_.clip_grad_norm_(max_norm); }
   fsdp::Metrics metrics() const override { return fsdp_.metrics(); }
   std::string describe() const override {

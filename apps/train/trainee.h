@@ -18,6 +18,8 @@ class Trainee {
   virtual ~Trainee() = default;
   virtual void begin_step() = 0;  // a new step for the metrics
   virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+  // Scope for micro-batches whose gradients accumulate without communication (no-op locally).
+  virtual std::shared_ptr<void> no_sync() = 0;
   virtual void clip_grad_norm(double max_norm) = 0;
   virtual fsdp::Metrics metrics() const = 0;  // what this rank holds and moved this step
   virtual std::string describe() const = 0;

@@ -63,6 +63,10 @@ int train(const Config& c) {
   }
   if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
   if (c.local && c.mixed_precision != "none") throw std::invalid_argument("--mixed-precision needs fsdp; drop --local");
+  if ((c.global_batch / W) % c.grad_accum != 0) {
+    throw std::invalid_argument("--grad-accum " + std::to_string(c.grad_accum) + " does not divide the " +
+                                std::to_string(c.global_batch / W) + " sequences of each rank's batch");
+  }
 
   auto data = models::TokenSource::from_path(c.data);
   const auto cfg = model_config(c, data);
@@ -102,8 +106,23 @@ int train(const Config& c) {
       y = y.to(device, /*non_blocking=*/true);
     }
     optim.adamw->zero_grad();
-    auto loss = models::lm_loss(trainee->forward(x), y);
-    if (scaler) scaler->scale(loss).backward(); else loss.backward();
+    // Micro-batches of this rank's slice: all but the last accumulate without communicating.
+    torch::Tensor loss;
+    if (c.grad_accum == 1) {
+      loss = models::lm_loss(trainee->forward(x), y);
+      if (scaler) scaler->scale(loss).backward(); else loss.backward();
+    } else {
+      const int64_t micro = per_rank / c.grad_accum;
+      loss = torch::zeros({}, torch::TensorOptions().device(device));
+      for (int m = 0; m < c.grad_accum; ++m) {
+        std::shared_ptr<void> quiet;
+        if (m + 1 < c.grad_accum) quiet = trainee->no_sync();
+        auto part = models::lm_loss(trainee->forward(x.narrow(0, m * micro, micro)), y.narrow(0, m * micro, micro)) /
+                    c.grad_accum;
+        if (scaler) scaler->scale(part).backward(); else part.backward();
+        loss = loss + part.detach();
+      }
+    }
     if (scaler) scaler->unscale_(*optim.adamw);
     if (c.clip > 0) trainee->clip_grad_norm(c.clip);
     if (scaler) {
@@ -128,6 +147,19 @@ int train(const Config& c) {
         std::cout << "fsdp-train: wrote the Chrome trace of step " << step << " to " << c.trace_dir
                   << "/trace-rank*.json (open in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
       }
+    }
+    if (c.eval_every > 0 && (step + 1) % c.eval_every == 0) {
+      // Forward only: no graph, nothing gathered stays behind.
+      torch::NoGradGuard no_grad;
+      auto [ex, ey] = data.batch(-1 - step, c.global_batch, cfg.block_size, c.seed + 1, rank * per_rank,
+                                 (rank + 1) * per_rank);
+      if (device.is_cuda()) {
+        ex = ex.to(device);
+        ey = ey.to(device);
+      }
+      std::vector<at::Tensor> e{models::lm_loss(trainee->forward(ex), ey).detach().reshape({1}).to(torch::kCPU, torch::kFloat)};
+      mesh->world()->allreduce(e)->wait();
+      if (rank == 0) std::cout << "step " << step << " | eval loss " << e[0].item<double>() / W << std::endl;
     }
     metrics_out.write(to_json(r));
     if (rank == 0 && (step % c.log_every == 0 || step == c.steps - 1)) {
