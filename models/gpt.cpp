@@ -22,6 +22,20 @@ int64_t GPTConfig::num_parameters() const {
          + 2 * d;                // ln_f
 }
 
+int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
+  const int64_t tokens = batch * seq_len, d = d_model, T = seq_len;
+  // Saved per block, in units of tokens x d: ln1's output (qkv's input) 1, qkv's output (q, k and
+  // v are views of it) 3, the attention's output before proj 1, the residual h 1, ln2's output 1,
+  // fc's output (gelu's input) 4, gelu's output (proj's input) 4, the block's output (the next
+  // block's input) 1; and the softmax's output, batch x heads x T x T.
+  const int64_t per_block = 16 * tokens * d + batch * n_head * T * T;
+  // Embeddings' sum 1 and ln_f's output 1 (tokens x d); log_softmax's output (tokens x vocab) and,
+  // at the start of backward, one gradient of that size beside it (a second one exists only for
+  // an instant, before the saved output is freed: measured, counting it overstates the peak).
+  const int64_t head = 2 * tokens * d + 2 * tokens * vocab_size;
+  return (n_layer * per_block + head) * element_size;
+}
+
 GPTConfig GPTConfig::preset(const std::string& name) {
   // {vocab, block, layers, heads, d_model}
   static const std::map<std::string, GPTConfig> presets = {

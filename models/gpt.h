@@ -18,6 +18,11 @@ struct GPTConfig {
 
   // Analytic parameter count of GPT(*this); the tied embedding/head weight is counted once.
   int64_t num_parameters() const;
+  // Bytes of activations one training step of a batch of `batch` sequences of `seq_len` tokens
+  // holds at its peak (the start of backward), in a compute dtype of `element_size` bytes: what
+  // autograd saves for backward, plus the loss's gradient buffers. Counted from forward() below;
+  // the memory tests hold it (inside the plan) against the measured peak.
+  int64_t activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
 
   // "tiny", "small", "default", "medium", "1b", "175b". Throws std::invalid_argument otherwise.
   static GPTConfig preset(const std::string& name);

@@ -17,6 +17,12 @@ void resize_storage(const at::Tensor& t, size_t bytes);
 // The caching allocator's statistics for `device` (all zero for CPU). num_alloc_retries is the
 // allocator's running total; the peaks are since the last reset_device_peaks().
 DeviceMemoryStats device_memory_stats(const c10::Device& device);
+// The same figures as they stand now (the *_peak fields hold the current values).
+DeviceMemoryStats device_memory_now(const c10::Device& device);
 void reset_device_peaks(const c10::Device& device);
+
+// CUDA, with a positive `bytes`: the caching allocator refuses to hold more than `bytes` for this
+// process on `device` (its per-process memory fraction). Nothing on CPU.
+void enforce_device_budget(const c10::Device& device, int64_t bytes);
 
 }  // namespace fsdp

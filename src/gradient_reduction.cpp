@@ -116,11 +116,28 @@ void GradientReduction::issue_all_reduce(Pending& r) {
 
 bool GradientReduction::advance() {
   if (!pending_) return false;
-  if (pending_->all_reduce || comm_.mesh().replicas <= 1) return false;
-  if (pending_->reduce_scatter && !comm_.done(pending_->reduce_scatter)) return true;
-  comm_.wait(pending_->reduce_scatter);
-  issue_all_reduce(*pending_);
+  Pending& r = *pending_;
+  if (r.reduce_scatter) {
+    // On CUDA `done` queries the event recorded on the communication stream after the
+    // collective: once it has passed, the compute stream may reuse the input's memory.
+    if (!comm_.done(r.reduce_scatter)) return comm_.mesh().replicas > 1 && !r.all_reduce;
+    comm_.wait(r.reduce_scatter);
+    release_input(r);
+  }
+  issue_all_reduce(r);
   return false;
+}
+
+int64_t GradientReduction::complete_reduce_scatter() {
+  if (!pending_) return 0;
+  const int64_t blocked = comm_.wait(pending_->reduce_scatter);
+  release_input(*pending_);
+  issue_all_reduce(*pending_);
+  return blocked;
+}
+
+void GradientReduction::release_input(Pending& r) {
+  if (r.output.defined() && r.input.defined() && !r.input.is_same(r.output)) r.input = at::Tensor();
 }
 
 int64_t GradientReduction::finish() {
@@ -129,6 +146,7 @@ int64_t GradientReduction::finish() {
   Pending& r = *pending_;
   const UnitDtypes& dt = handle_.dtypes();
   int64_t blocked = comm_.wait(r.reduce_scatter);
+  release_input(r);
   issue_all_reduce(r);
   blocked += comm_.wait(r.all_reduce);
   at::Tensor reduced = r.output;
@@ -175,6 +193,11 @@ int64_t GradientReduction::sharded_grad_bytes() const {
     }
   }
   return 0;
+}
+
+int64_t GradientReduction::reducing_bytes() const {
+  if (!pending_ || !pending_->input.defined() || pending_->input.is_same(pending_->output)) return 0;
+  return pending_->input.numel() * static_cast<int64_t>(pending_->input.element_size());
 }
 
 int64_t GradientReduction::unsharded_grad_bytes() const {

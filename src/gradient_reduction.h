@@ -21,7 +21,10 @@
 //            SHARDED gradient is folded in as F × itself in this rank's slice, which the later
 //            reduction (sum over W ranks of F·g placed by R = W/F replicas, divided by W) returns
 //            to exactly g
-//   advance  without blocking: issue the replica all-reduce once the reduce-scatter is done
+//   advance  without blocking, polled as backward proceeds: once the reduce-scatter is done, free
+//            its input (the unit's unsharded gradients, the largest buffer of the pipeline, so
+//            that only reductions in flight hold unsharded gradients, the paper's memory model)
+//            and, with replicas, issue the all-reduce of its output
 //   finish   wait, divide by W (sum of per-rank means -> global mean), cast back to the master
 //            dtype, add the stashed gradient, and hold the result for restore
 //   restore  end of an iteration: give the parameters their SHARDED gradients (set_ aliases of one
@@ -40,6 +43,10 @@
 
 namespace fsdp {
 
+// The most reduce-scatters whose inputs (a unit's unsharded gradients) may be alive at once:
+// backward waits for the oldest beyond it (Runtime::reduce), and the memory plan counts on it.
+inline constexpr int kMaxReductionsInFlight = 2;
+
 class GradientReduction {
  public:
   enum class Form { SHARDED, UNSHARDED };
@@ -51,22 +58,31 @@ class GradientReduction {
   // Whether the parameters hold gradients that a synchronized reduction has still to reduce.
   bool has_unreduced() const;
   void begin(bool no_sync);
-  bool advance();  // true while a reduce-scatter still has to finish before its all-reduce
+  // Polls without blocking; true while a reduce-scatter still has to finish before its all-reduce
+  // can be issued (later units must then wait their turn, to keep the all-reduces in order).
+  bool advance();
+  // Blocks until the reduce-scatter is done, frees its input and issues the all-reduce (with
+  // replicas); returns the nanoseconds the calling thread was blocked.
+  int64_t complete_reduce_scatter();
   int64_t finish();  // returns the nanoseconds the calling thread was blocked
   bool pending() const { return pending_.has_value(); }
   void restore();  // requires no reduction in flight
 
   int64_t sharded_grad_bytes() const;    // the SHARDED gradients the parameters hold now
   int64_t unsharded_grad_bytes() const;  // the UNSHARDED (no_sync) gradients they hold now
+  int64_t reducing_bytes() const;        // unsharded gradients an unfinished reduce-scatter still reads
 
  private:
   struct Pending {
-    at::Tensor input;          // [padded_numel] unsharded gradients (reduce-scatter input)
+    at::Tensor input;          // [padded_numel] unsharded gradients (reduce-scatter input), freed
+                               // as soon as the reduce-scatter is done
     at::Tensor output;         // [shard_numel] (or the input itself with F = 1)
     InFlight reduce_scatter, all_reduce;
     std::vector<bool> got;     // which parameters contributed gradients
   };
   void issue_all_reduce(Pending& r);
+  // After the reduce-scatter is done: free its input (F > 1; with F = 1 it is the output).
+  void release_input(Pending& r);
   void keep_unsharded();  // the no_sync half of begin
 
   int index_;

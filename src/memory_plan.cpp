@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "flat_param.h"
+#include "gradient_reduction.h"
 #include "mesh_info.h"
 #include "precision.h"
 #include "unit_decomposition.h"
@@ -19,7 +20,10 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   const int F = plan.shard_size;
   const auto units = decompose(model, options.auto_wrap_policy);
   std::vector<int64_t> nonroot_bytes;
-  int64_t root_bytes = 0, all_unsharded = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0;
+  int64_t root_bytes = 0, all_unsharded = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0, root_compute_bytes = 0;
+  int64_t largest_shard_reduce_bytes = 0;
+  // Where the shards will live decides the backend, and with it what a reduce-scatter holds.
+  c10::DeviceType device = options.init_device ? options.init_device->type() : c10::kCPU;
   for (const auto& u : units) {
     if (u.params.empty()) continue;
     std::vector<std::vector<int64_t>> shapes;
@@ -50,9 +54,16 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     // What gathering it costs: nothing extra when F = 1 and no cast (the shard is the parameter).
     const int64_t gathered = (F > 1 || compute != master) ? layout.padded_numel() * static_cast<int64_t>(c10::elementSize(compute)) : 0;
     all_unsharded += gathered;
-    if (u.is_root) root_bytes = gathered; else nonroot_bytes.push_back(gathered);
+    if (!options.init_device) device = u.params[0].is_meta() ? c10::kCPU : u.params[0].device().type();
+    if (u.is_root) {
+      root_bytes = gathered;
+      root_compute_bytes = layout.numel() * static_cast<int64_t>(c10::elementSize(compute));
+    } else {
+      nonroot_bytes.push_back(gathered);
+    }
     largest_compute_bytes = std::max(largest_compute_bytes, layout.padded_numel() * static_cast<int64_t>(c10::elementSize(compute)));
     largest_reduce_bytes = std::max(largest_reduce_bytes, layout.padded_numel() * static_cast<int64_t>(c10::elementSize(reduce)));
+    largest_shard_reduce_bytes = std::max(largest_shard_reduce_bytes, layout.shard_numel() * static_cast<int64_t>(c10::elementSize(reduce)));
   }
   if (reshards_after_forward(options.strategy)) {
     std::sort(nonroot_bytes.rbegin(), nonroot_bytes.rend());
@@ -63,17 +74,49 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   } else {
     plan.peak_unsharded_params = all_unsharded;
   }
-  plan.peak_unsharded_grads = largest_compute_bytes + largest_reduce_bytes;
+  plan.activations = options.memory_budget.activation_bytes;
+  plan.backward_units = std::max<int>(1, static_cast<int>(nonroot_bytes.size()));
+  plan.unit_grads = largest_compute_bytes;
+  plan.reduce_buffer = largest_reduce_bytes;
+  plan.root_grads = root_compute_bytes;
+  // With F = 1 a reduce buffer becomes the gradient shard: nothing stays in flight besides it.
+  plan.reductions_in_flight = F > 1 ? kMaxReductionsInFlight : 0;
+  plan.reduce_copies = device == c10::kCUDA ? 1 : 2;
+  // With replicas, the all-reduce of a reduce-scatter's output works in a buffer of its size.
+  plan.replica_buffer = (F > 1 && W / F > 1) ? largest_shard_reduce_bytes : 0;
+  // A unit's unsharded gradients (compute dtype) while they are flattened into its reduce buffer,
+  // and the reduce-scatters still in flight.
+  plan.peak_unsharded_grads = plan.unit_grads + plan.reduce_buffer * (1 + plan.reductions_in_flight * plan.reduce_copies);
   return plan;
 }
 
-namespace {
-std::string gib(int64_t bytes) {
+int64_t MemoryPlan::backward_peak() const {
+  const int n = std::max(1, backward_units);
+  int64_t peak = 0;
+  for (int j = 0; j < n; ++j) {
+    const int64_t in_flight =
+        static_cast<int64_t>(std::min(j, reductions_in_flight)) * (reduce_copies * reduce_buffer + replica_buffer);
+    // While unit j runs its backward: its activations still held, its gradients accumulating.
+    const int64_t during = activations * (n - j) / n + root_grads + unit_grads + in_flight;
+    // When its backward is over: its activations freed, its gradients flattened into the buffer.
+    const int64_t after = activations * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
+    peak = std::max({peak, during, after});
+  }
+  return peak;
+}
+
+std::string format_bytes(int64_t bytes) {
   char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  } else if (b >= 1024.0 * 1024) {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / (1024.0 * 1024));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f KiB", b / 1024.0);
+  }
   return buf;
 }
-}  // namespace
 
 std::string format_plans(const std::vector<MemoryPlan>& plans) {
   std::ostringstream out;
@@ -90,16 +133,19 @@ std::string format_plans(const std::vector<MemoryPlan>& plans) {
   out << "\n";
   auto row = [&](const char* name, int64_t MemoryPlan::*field) {
     out << "| " << name << " |";
-    for (const auto& p : plans) out << " " << gib(p.*field) << " |";
+    for (const auto& p : plans) out << " " << format_bytes(p.*field) << " |";
     out << "\n";
   };
   row("sharded parameters", &MemoryPlan::sharded_params);
   row("sharded gradients", &MemoryPlan::sharded_grads);
   row("Adam state (fp32 exp_avg, exp_avg_sq)", &MemoryPlan::adam_state);
   row("peak gathered parameters", &MemoryPlan::peak_unsharded_params);
-  row("peak unsharded gradients + reduce buffer", &MemoryPlan::peak_unsharded_grads);
-  out << "| **total, without activations** |";
-  for (const auto& p : plans) out << " **" << gib(p.total()) << "** |";
+  row("peak unsharded gradients + reduce buffers", &MemoryPlan::peak_unsharded_grads);
+  const bool with_activations = std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.activations > 0; });
+  if (with_activations) row("activations (estimate)", &MemoryPlan::activations);
+  out << (with_activations ? "| **peak (backward: activations freed as gradients arrive)** |"
+                            : "| **peak, without activations** |");
+  for (const auto& p : plans) out << " **" << format_bytes(p.total()) << "** |";
   out << "\n";
   return out.str();
 }

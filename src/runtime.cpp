@@ -64,11 +64,14 @@ void Runtime::install_hooks() {
 }
 
 void Runtime::note_memory() {
-  int64_t cur = 0, grads = 0;
+  int64_t cur = 0, grads = 0, reducing = 0;
   for (const Unit* unit : units_) {
     cur += unit->handle().unsharded_bytes();
     grads += unit->reduction().unsharded_grad_bytes();
+    reducing += unit->reduction().reducing_bytes();
   }
+  memory_.reducing_grads_current = reducing;
+  memory_.reducing_grads_peak = std::max(memory_.reducing_grads_peak, reducing);
   memory_.unsharded_current = cur;
   memory_.unsharded_peak = std::max(memory_.unsharded_peak, cur);
   memory_.unsharded_grads_current = grads;
@@ -268,6 +271,11 @@ void Runtime::prefetch_backward(size_t u) {
 
 void Runtime::on_grad_arriving(size_t u) {
   check_not_failed();  // hooks are where a failure recorded in backward reaches backward()'s caller
+  if (!reduce_fifo_.empty()) {
+    // Free the inputs of reduce-scatters done since the last unit's backward ended.
+    touch::Suppress own_work;
+    advance_reductions();
+  }
   backward_needs(u);
   check_not_failed();
 }
@@ -292,6 +300,18 @@ void Runtime::reduce(size_t u) {
   reduction.begin(no_sync_);
   if (reduction.pending()) reduce_fifo_.push_back(u);
   advance_reductions();
+  // Bound the unsharded gradients that reductions in flight hold (the plan counts on it): when
+  // communication falls behind computation, wait for the oldest, in issue order.
+  int held = 0;
+  for (size_t v : reduce_fifo_) held += units_[v]->reduction().reducing_bytes() > 0;
+  for (size_t v : reduce_fifo_) {
+    if (held <= kMaxReductionsInFlight) break;
+    GradientReduction& r = units_[v]->reduction();
+    if (r.reducing_bytes() == 0) continue;
+    overlap_.exposed_reduce_ns += r.complete_reduce_scatter();
+    --held;
+  }
+  note_memory();
 }
 
 void Runtime::advance_reductions() {
@@ -300,17 +320,23 @@ void Runtime::advance_reductions() {
   for (size_t u : reduce_fifo_) {
     if (units_[u]->reduction().advance()) break;
   }
+  note_memory();
 }
 
 void Runtime::finish_reductions() {
   touch::Suppress own_work;
   for (size_t u : reduce_fifo_) overlap_.exposed_reduce_ns += units_[u]->reduction().finish();
   reduce_fifo_.clear();
+  note_memory();
 }
 
 void Runtime::finish_backward() {
   check_not_failed();
   touch::Suppress own_work;
+  advance_reductions();
+  memory_.reducing_grads_at_backward_end = memory_.reducing_grads_current;
+  memory_.reductions_in_flight_at_backward_end = 0;
+  for (size_t u : reduce_fifo_) memory_.reductions_in_flight_at_backward_end += units_[u]->reduction().reducing_bytes() > 0;
   finish_reductions();
   // Units whose gradients did not all arrive through the hooks (a parameter forward touched whose
   // gradient never flowed) are reduced here, in unit order, the same on every rank.
@@ -349,6 +375,7 @@ void Runtime::end_iteration(bool keep_graph) {
 void Runtime::reset_step() {
   memory_.unsharded_peak = memory_.unsharded_current;
   memory_.unsharded_grads_peak = memory_.unsharded_grads_current;
+  memory_.reducing_grads_peak = memory_.reducing_grads_current;
   overlap_ = OverlapStats{};
 }
 

@@ -1,4 +1,5 @@
 // fsdp-train's command line.
+#include <map>
 #include <optional>
 
 #include <CLI/CLI.hpp>
@@ -43,6 +44,17 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--mixed-precision", c.mixed_precision, "none, bf16 or fp16 (fp16 adds the sharded gradient scaler)")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_flag("--sync-module-states", c.sync_module_states, "broadcast rank 0's initial weights to every rank");
+  app.add_option("--init", c.init,
+                 "how the model is built: deferred (materialized unit by unit as shards), normal (built whole, "
+                 "then sharded), auto (deferred when sharded, F > 1)")
+      ->check(CLI::IsMember({"auto", "deferred", "normal"}));
+  app.add_option("--max-memory-per-rank", c.max_memory,
+                 "refuse, before building anything, a configuration whose memory plan exceeds this per rank: "
+                 "auto (available memory / local ranks; the device's memory on CUDA), 0 (no check), or a size "
+                 "such as 1.5GiB, 800MiB, 2e9");
+  app.add_option("--memory-timeline", c.memory_timeline,
+                 "write each rank's memory through step --trace-step, sampled every millisecond, to "
+                 "DIR/memory-rank*.csv");
   app.add_flag("--plan", c.plan, "print the per-rank memory plan (fp32 and bf16) without allocating the model, then exit");
   app.add_option("--world-size", c.plan_world, "--plan: ranks to plan for (default: --nproc-per-node)")->check(CLI::PositiveNumber);
   app.add_option("--ranks-per-node", c.plan_local, "--plan: ranks per node (the hybrid strategies' default F)")
@@ -79,7 +91,37 @@ fsdp::Options fsdp_options(const Config& c) {
     const auto dtype = fsdp::parse_dtype(c.mixed_precision);
     opts.mixed_precision = fsdp::MixedPrecision{dtype, dtype, dtype, false};
   }
+  opts.memory_budget.max_bytes_per_rank = parse_memory_size(c.max_memory);
   return opts;
+}
+
+fsdp::Options fsdp_options(const Config& c, const models::GPTConfig& cfg, int world_size) {
+  fsdp::Options opts = fsdp_options(c);
+  const int64_t micro_batch = c.global_batch / world_size / std::max(1, c.grad_accum);
+  const int64_t element = opts.mixed_precision ? c10::elementSize(opts.mixed_precision->param_dtype) : 4;
+  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, element);
+  return opts;
+}
+
+int64_t parse_memory_size(const std::string& text) {
+  if (text == "auto") return fsdp::MemoryBudget::kAuto;
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  static const std::map<std::string, double> units = {{"", 1.0}, {"B", 1.0}, {"KiB", 1024.0}, {"MiB", 1024.0 * 1024},
+                                                      {"GiB", 1024.0 * 1024 * 1024}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}};
+  const auto it = units.find(unit);
+  if (used == 0 || it == units.end() || value < 0) {
+    throw std::invalid_argument("--max-memory-per-rank '" + text +
+                                "' is not a size: use auto, 0 (no check), or a number with an optional unit "
+                                "(B, KiB, MiB, GiB, KB, MB, GB), e.g. 1.5GiB");
+  }
+  return static_cast<int64_t>(value * it->second);
 }
 
 }  // namespace train

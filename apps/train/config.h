@@ -40,6 +40,14 @@ struct Config {
   int trace_step = 2;
   std::string mixed_precision = "none";  // or bf16 / fp16: param and reduce dtype
   bool sync_module_states = false;
+  // How the model is built: "deferred" (fsdp::deferred_init, materialized unit by unit as shards:
+  // no rank ever holds the whole model), "normal" (every rank builds it whole, then shards), or
+  // "auto": deferred whenever the model is sharded (F > 1), normal otherwise.
+  std::string init = "auto";
+  // The per-rank memory budget the plan must fit: "auto" (available memory / local ranks on CPU,
+  // the device's memory on CUDA), "0" (no check), or a size: 1.5GiB, 800MiB, 2e9.
+  std::string max_memory = "auto";
+  std::string memory_timeline;  // write each rank's memory through step `trace_step` here (CSV)
   bool plan = false;         // print the per-rank memory plan for plan_world ranks, then exit
   int plan_world = 0;
   int plan_local = 8;        // ranks per node, for the plan's hybrid strategies
@@ -51,8 +59,12 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c);
 
 // The GPT the flags ask for, with the vocabulary grown to the data's.
 models::GPTConfig model_config(const Config& c, const models::TokenSource& data);
-// The fsdp options the flags ask for; the GPT's blocks are the units.
+// The fsdp options the flags ask for; the GPT's blocks are the units. With the GPT's config, the
+// memory budget carries the activations of one rank's micro-batch.
 fsdp::Options fsdp_options(const Config& c);
+fsdp::Options fsdp_options(const Config& c, const models::GPTConfig& cfg, int world_size);
+// "auto" -> MemoryBudget::kAuto, "0" -> kOff, "1.5GiB" / "800MiB" / "64KiB" / "2e9" -> bytes.
+int64_t parse_memory_size(const std::string& text);
 
 // The modes.
 int train(const Config& c);        // one rank of a training run

@@ -36,7 +36,7 @@ void JsonlWriter::write(const nlohmann::json& j) {
 
 nlohmann::json to_json(const StepRecord& r) {
   const fsdp::Metrics& m = r.metrics;
-  return {{"rank", r.rank}, {"step", r.step}, {"loss", r.loss}, {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
+  nlohmann::json j = {{"rank", r.rank}, {"step", r.step}, {"loss", r.loss}, {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
           {"param_bytes_resident", m.memory.sharded_params},
           {"grad_bytes_resident", m.memory.sharded_grads},
           {"peak_unsharded_bytes", m.memory.unsharded_peak},
@@ -52,7 +52,12 @@ nlohmann::json to_json(const StepRecord& r) {
           {"sequence_check_ms", ms_of(m.overlap.sequence_check_ns)},
           {"device_memory", {{"allocated_peak", m.device.allocated_peak}, {"active_peak", m.device.active_peak},
                              {"reserved_peak", m.device.reserved_peak},
-                             {"num_alloc_retries", m.device.num_alloc_retries}}}};
+                             {"num_alloc_retries", m.device.num_alloc_retries}}},
+          {"reducing_grads_peak", m.memory.reducing_grads_peak},
+          {"reducing_grads_at_backward_end", m.memory.reducing_grads_at_backward_end},
+          {"reductions_in_flight_at_backward_end", m.memory.reductions_in_flight_at_backward_end}};
+  if (!r.memory.is_null()) j["memory"] = r.memory;
+  return j;
 }
 
 std::string progress_line(const StepRecord& r, bool sharded, bool cuda) {

@@ -27,6 +27,7 @@ struct StepRecord {
   int rank = 0, step = 0;
   double loss = 0, step_ms = 0, tokens_per_s = 0;
   fsdp::Metrics metrics;
+  nlohmann::json memory;  // what the process held after each phase (memory_log.h)
 };
 
 nlohmann::json to_json(const StepRecord& r);

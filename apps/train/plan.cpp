@@ -20,14 +20,19 @@ int plan(const Config& c) {
   auto model = fsdp::meta_init([&] { return models::GPT(cfg); });
   const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   fsdp::Options opts = fsdp_options(c);
+  // Activations of one rank's micro-batch, in the compute dtype of each plan.
+  const int64_t micro_batch = std::max<int64_t>(1, c.global_batch / W / std::max(1, c.grad_accum));
   opts.mixed_precision.reset();  // planned both ways below
+  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, 4);
   std::vector<fsdp::MemoryPlan> plans;
   plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
   opts.mixed_precision = fsdp::MixedPrecision{};  // bf16 compute and reduce, fp32 master
+  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, 2);
   plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
   std::cout << "fsdp-train --plan: GPT '" << c.model << "' (" << cfg.n_layer << " layers, d_model " << cfg.d_model
             << ", " << cfg.n_head << " heads, vocab " << cfg.vocab_size << ", block " << cfg.block_size
-            << "), built with meta_init in " << build_s << " s, nothing allocated\n\n"
+            << "), global batch " << c.global_batch << " (" << micro_batch << " sequences per rank and micro-batch)"
+            << ", built with meta_init in " << build_s << " s, nothing allocated\n\n"
             << fsdp::format_plans(plans) << std::endl;
   return 0;
 }

@@ -9,7 +9,11 @@
 #include <torch/torch.h>
 
 #include "config.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/plan.h"
+#include "fsdp/process_memory.h"
+#include "memory_log.h"
 #include "metrics_log.h"
 #include "trainee.h"
 
@@ -43,9 +47,23 @@ Optimizer make_optimizer(models::GPT& model, const Config& c) {
   return o;
 }
 
+// Local training holds the whole model, its gradients and Adam's state, and the activations: the
+// plan of one replica without fsdp's buffers.
+fsdp::MemoryPlan local_plan(torch::nn::Module& meta, const fsdp::Options& sharded) {
+  fsdp::Options o = sharded;
+  o.strategy = fsdp::ShardingStrategy::NO_SHARD;
+  fsdp::MemoryPlan plan = fsdp::plan_memory(meta, 1, o, 1);
+  plan.strategy = "local (no fsdp)";
+  // Autograd's gradients are the gradients here: no flattened copies, no reductions.
+  plan.peak_unsharded_grads = plan.unit_grads = plan.reduce_buffer = plan.root_grads = 0;
+  plan.reductions_in_flight = 0;
+  return plan;
+}
+
 }  // namespace
 
 int train(const Config& c) {
+  fsdp::install_host_allocator();  // before anything is allocated: every CPU tensor counts
   const fsdp::LaunchEnv env = fsdp::LaunchEnv::from_environment();
   // Share the cores among the local ranks instead of oversubscribing them.
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -57,7 +75,7 @@ int train(const Config& c) {
                                 " is not divisible by the world size " + std::to_string(W) +
                                 "; choose a multiple of " + std::to_string(W));
   }
-  if (!c.trace_dir.empty() && c.trace_step >= c.steps) {
+  if ((!c.trace_dir.empty() || !c.memory_timeline.empty()) && c.trace_step >= c.steps) {
     throw std::invalid_argument("--trace-step " + std::to_string(c.trace_step) + " is not below --steps " +
                                 std::to_string(c.steps) + "; pick a step that runs");
   }
@@ -70,14 +88,40 @@ int train(const Config& c) {
 
   auto data = models::TokenSource::from_path(c.data);
   const auto cfg = model_config(c, data);
-  torch::manual_seed(c.seed);  // the same initial weights on every rank
-  models::GPT model(cfg);
+  if (c.local && c.init == "deferred") throw std::invalid_argument("--init deferred needs fsdp; drop --local");
   torch::Device device(torch::kCPU);
   if (c.device == "cuda") {
     if (!torch::cuda::is_available()) throw std::invalid_argument("--device cuda: no CUDA device is visible to this process");
     device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % torch::cuda::device_count()));
     // NCCL talks to the current device: make it this rank's.
     c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
+  }
+  fsdp::Options options = fsdp_options(c, cfg, W);
+  // The paper's way to build a sharded model (§3.1): deferred, then materialized unit by unit as
+  // shards, so no rank ever holds the whole model. Its values are bit for bit those of a normal
+  // construction from the same seed. The plan, from a meta model, says whether it is sharded;
+  // the wrapper holds it against the memory budget (on every rank alike) before materializing.
+  bool deferred = false;
+  fsdp::MemoryPlan plan;
+  {
+    auto meta = fsdp::meta_init([&] { return models::GPT(cfg); });
+    if (c.local) {
+      plan = local_plan(*meta, options);
+      const int64_t budget = fsdp::memory_budget_bytes(options, device, 1);
+      if (budget > 0 && plan.total() > budget) {
+        throw std::invalid_argument(fsdp::explain_over_budget(*meta, plan, options, 1, budget));
+      }
+    } else {
+      plan = fsdp::plan_memory(*meta, W, options, env.local_world_size);
+      deferred = c.init == "deferred" || (c.init == "auto" && plan.shard_size > 1);
+    }
+  }
+  const int64_t live_before_model = fsdp::process_memory().live_tensor_bytes;
+  torch::manual_seed(c.seed);  // the same initial weights on every rank
+  models::GPT model = deferred ? fsdp::deferred_init([&] { return models::GPT(cfg); }) : models::GPT(cfg);
+  if (deferred) {
+    options.init_device = device;
+  } else if (device.is_cuda()) {
     model->to(device);  // keeps the parameters' identity (the tied weight stays tied)
   }
 
@@ -85,20 +129,32 @@ int train(const Config& c) {
   std::optional<fsdp::ShardedGradScaler> scaler;
   if (c.mixed_precision == "fp16") scaler.emplace(mesh);
   std::unique_ptr<Trainee> trainee;
-  if (!c.local) trainee = sharded_trainee(model, mesh, fsdp_options(c), c.strategy);
+  if (!c.local) trainee = sharded_trainee(model, mesh, options, c.strategy);
   Optimizer optim = make_optimizer(model, c);  // after sharding: it steps this rank's shards
   if (c.local) trainee = local_trainee(model, optim.unique_params);
+  const fsdp::ProcessMemory constructed = fsdp::process_memory(device);
 
   if (rank == 0) {
     std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
-              << trainee->describe() << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
+              << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
               << " tokens, corpus " << data.origin() << " (" << data.size() << " tokens)" << std::endl;
   }
   JsonlWriter metrics_out(c.metrics_jsonl);
   const int64_t per_rank = c.global_batch / W;
   const double tokens_per_step = static_cast<double>(c.global_batch * cfg.block_size);
+  std::optional<MemoryTimeline> timeline;
+  if (!c.memory_timeline.empty()) timeline.emplace(device);
   for (int step = 0; step < c.steps; ++step) {
     trainee->begin_step();
+    MemoryTimeline* sampling = timeline && step == c.trace_step ? &*timeline : nullptr;
+    if (sampling) sampling->start();
+    auto mark = [&](const char* phase) {
+      if (sampling) sampling->mark(phase);
+    };
+    nlohmann::json memory = {{"after_construction", to_json(constructed)},
+                             {"live_before_model", live_before_model},
+                             {"plan_bytes", plan.total()}};
+    const fsdp::HostMemoryPeak peak;  // live tensor bytes through the step
     const auto t0 = std::chrono::steady_clock::now();
     auto [x, y] = data.batch(step, c.global_batch, cfg.block_size, c.seed, rank * per_rank, (rank + 1) * per_rank);
     if (device.is_cuda()) {
@@ -109,7 +165,10 @@ int train(const Config& c) {
     // Micro-batches of this rank's slice: all but the last accumulate without communicating.
     torch::Tensor loss;
     if (c.grad_accum == 1) {
+      mark("forward");
       loss = models::lm_loss(trainee->forward(x), y);
+      memory["after_forward"] = to_json(fsdp::process_memory(device));
+      mark("backward");
       if (scaler) scaler->scale(loss).backward(); else loss.backward();
     } else {
       const int64_t micro = per_rank / c.grad_accum;
@@ -117,12 +176,17 @@ int train(const Config& c) {
       for (int m = 0; m < c.grad_accum; ++m) {
         std::shared_ptr<void> quiet;
         if (m + 1 < c.grad_accum) quiet = trainee->no_sync();
+        mark("forward");
         auto part = models::lm_loss(trainee->forward(x.narrow(0, m * micro, micro)), y.narrow(0, m * micro, micro)) /
                     c.grad_accum;
+        if (m + 1 == c.grad_accum) memory["after_forward"] = to_json(fsdp::process_memory(device));
+        mark("backward");
         if (scaler) scaler->scale(part).backward(); else part.backward();
         loss = loss + part.detach();
       }
     }
+    memory["after_backward"] = to_json(fsdp::process_memory(device));
+    mark("step");
     if (scaler) scaler->unscale_(*optim.adamw);
     if (c.clip > 0) trainee->clip_grad_norm(c.clip);
     if (scaler) {
@@ -130,6 +194,17 @@ int train(const Config& c) {
       scaler->update();
     } else {
       optim.adamw->step();
+    }
+    memory["after_step"] = to_json(fsdp::process_memory(device));
+    memory["peak_live_tensor_bytes"] = peak.start_bytes() + peak.peak_bytes();
+    if (sampling) {
+      sampling->stop();
+      const std::string path = c.memory_timeline + "/memory-rank" + std::to_string(rank) + ".csv";
+      sampling->write_csv(path);
+      if (rank == 0) {
+        std::cout << "fsdp-train: wrote the memory of step " << step << " to " << c.memory_timeline
+                  << "/memory-rank*.csv" << std::endl;
+      }
     }
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
     std::vector<at::Tensor> l{loss.detach().reshape({1}).to(torch::kCPU, torch::kFloat).clone()};
@@ -141,6 +216,7 @@ int train(const Config& c) {
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
     r.metrics = trainee->metrics();
+    r.memory = std::move(memory);
     if (!c.trace_dir.empty() && step == c.trace_step) {
       const std::string path = c.trace_dir + "/trace-rank" + std::to_string(rank) + ".json";
       if (trainee->write_trace(path) && rank == 0) {

@@ -31,6 +31,13 @@ struct MemoryBytes {
   int64_t unsharded_peak = 0;          // their peak since the last reset_step()
   int64_t unsharded_grads_current = 0; // unsharded gradients held now (no_sync accumulation)
   int64_t unsharded_grads_peak = 0;
+  // Unsharded gradients that reduce-scatters in flight still read (each freed as soon as its
+  // reduce-scatter is done), now and at their peak since the last reset_step(); and, at the end of
+  // the last backward (before its final wait), those bytes and how many reductions held them.
+  int64_t reducing_grads_current = 0;
+  int64_t reducing_grads_peak = 0;
+  int64_t reducing_grads_at_backward_end = 0;
+  int64_t reductions_in_flight_at_backward_end = 0;
 };
 
 // How well communication hid behind computation, since the last reset_step().

@@ -72,6 +72,24 @@ WrapPolicy module_type_policy() {
 // (like PyTorch's size_based_auto_wrap_policy).
 WrapPolicy size_based_policy(int64_t min_numel);
 
+// What one rank may hold, checked against the memory plan (fsdp/plan.h) when a model is wrapped,
+// before anything is materialized or gathered: a configuration that cannot fit is refused on
+// every rank alike, with the plan and what would make it fit, instead of ending in the kernel's
+// OOM killer (CPU) or an allocator error (CUDA) minutes later.
+struct MemoryBudget {
+  // Bytes per rank. kAuto: on CPU the machine's available memory (MemAvailable, the smallest any
+  // rank sees) divided by the ranks on this node, or less where a data limit (RLIMIT_DATA, e.g.
+  // `prlimit --data`) leaves less beyond what the process has mapped; on CUDA the device's total
+  // memory. kOff: no
+  // check. A positive value on CUDA is also enforced, through the caching allocator's per-process
+  // memory fraction.
+  static constexpr int64_t kAuto = -1, kOff = 0;
+  int64_t max_bytes_per_rank = kAuto;
+  // Activation memory per rank, which fsdp cannot know without running the model (it depends on
+  // the batch, the sequence length and checkpointing): the caller's estimate, added to the plan.
+  int64_t activation_bytes = 0;
+};
+
 struct Options {
   ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
   // F for the hybrid strategies; 0 means LOCAL_WORLD_SIZE (shard within a node). Ignored by the
@@ -103,6 +121,8 @@ struct Options {
   // deferred_init. Set to a device other than the parameters' (e.g. CUDA for a model built on the
   // CPU), each unit is flattened where it is and only its shard is moved, one unit at a time.
   std::optional<c10::Device> init_device;
+  // The per-rank memory budget the plan is held against at construction.
+  MemoryBudget memory_budget;
 };
 
 }  // namespace fsdp

@@ -8,8 +8,10 @@
 //                       the root unit + the unit computing + the prefetched ones (largest first);
 //                       without it, every unit
 //   unsharded gradients one unit's gradients in param_dtype while its reduction is being prepared,
-//                       plus that unit's reduce buffer in reduce_dtype
-// Activations are not in it: they depend on the batch, the sequence length and checkpointing.
+//                       plus its reduce buffer in reduce_dtype and, with F > 1, the buffers of the
+//                       reduce-scatters still in flight (at most 2 more: backward waits beyond)
+//   activations         the caller's estimate, Options::memory_budget.activation_bytes (fsdp cannot
+//                       know them without running the model: batch, sequence length, checkpointing)
 #pragma once
 
 #include <cstdint>
@@ -36,11 +38,42 @@ struct MemoryPlan {
   int64_t adam_state = 0;
   int64_t peak_unsharded_params = 0;
   int64_t peak_unsharded_grads = 0;
-  int64_t total() const { return sharded_params + sharded_grads + adam_state + peak_unsharded_params + peak_unsharded_grads; }
+  int64_t activations = 0;  // the caller's estimate (Options::memory_budget.activation_bytes)
+  // What backward's peak is made of (backward_peak()): the units backward walks through, the
+  // largest unit's unsharded gradients in the compute dtype and its reduce buffer, the root's
+  // gradients (they stay until the end of backward), how many copies of a reduce buffer a
+  // reduce-scatter in flight holds (2 on the CPU: Gloo reduces a flattened copy of its input; 1 on
+  // CUDA), and how many may be in flight besides the newest (0 without reduce-scatters, F = 1).
+  int backward_units = 1;
+  int64_t unit_grads = 0, reduce_buffer = 0, root_grads = 0;
+  int reduce_copies = 1, reductions_in_flight = 0;
+  int64_t replica_buffer = 0;  // hybrid: what the replica all-reduce of a reduction in flight holds
+
+  // Activations and unsharded gradients together through backward: as backward walks the units in
+  // reverse, each frees its share of the activations (taken as equal) and hands its gradients to a
+  // reduction. While unit j runs, the activations of units not yet done, the root's gradients,
+  // unit j's gradients and the reduce-scatters still in flight are alive; when it is done, its
+  // activations are gone and its reduce buffer is there. The largest such sum.
+  int64_t backward_peak() const;
+  // The peak per rank: the state, the gathered units and backward's peak.
+  int64_t total() const { return sharded_params + sharded_grads + adam_state + peak_unsharded_params + backward_peak(); }
 };
 
 // `local_world_size` is the ranks per node (F for the hybrid strategies without a shard size).
 MemoryPlan plan_memory(torch::nn::Module& model, int world_size, const Options& options, int local_world_size = 8);
+
+// The budget `options` give one rank of `world_size` (`local_world_size` per node) on `device`,
+// in bytes: Options::memory_budget resolved (kAuto read from this machine); 0 when off. Local to
+// this rank: the constructor agrees on the smallest over all ranks before comparing.
+int64_t memory_budget_bytes(const Options& options, c10::Device device, int local_world_size);
+
+// Why the plan does not fit `budget` and what would (other strategies, F, mixed precision, a
+// smaller batch, more ranks), computed from `model`'s shapes: the text of the refusal.
+std::string explain_over_budget(torch::nn::Module& model, const MemoryPlan& plan, const Options& options,
+                                int local_world_size, int64_t budget);
+
+// "1.23 GiB", "45.6 MiB", "7.8 KiB".
+std::string format_bytes(int64_t bytes);
 
 // A readable table of one or more plans side by side (e.g. fp32 and bf16).
 std::string format_plans(const std::vector<MemoryPlan>& plans);
