@@ -24,7 +24,7 @@ struct GPTConfig {
   // the memory tests hold it (inside the plan) against the measured peak.
   int64_t activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
 
-  // "tiny", "small", "default", "medium", "1b", "175b". Throws std::invalid_argument otherwise.
+  // "tiny", "small", "default", "medium", "large" (50 M), "1b", "175b". Throws std::invalid_argument otherwise.
   static GPTConfig preset(const std::string& name);
 };
 

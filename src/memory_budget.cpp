@@ -47,6 +47,52 @@ int64_t data_limit_left() {
 }
 
 
+int64_t read_int(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text) || text == "max") return -1;
+  try {
+    return std::stoll(text);
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+// What the memory cgroup this process runs in (v1 or v2) leaves, shared by the local ranks when
+// they all run in it (a container's limit) or this rank's alone (a cgroup per rank); -1 without a
+// limit.
+int64_t cgroup_left(int local_world_size) {
+  std::ifstream in("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(in, line)) {
+    // "4:memory:/path" (v1) or "0::/path" (v2)
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    std::string dir, limit_file, usage_file;
+    if (controllers == "memory") {
+      dir = "/sys/fs/cgroup/memory" + path;
+      limit_file = "/memory.limit_in_bytes";
+      usage_file = "/memory.usage_in_bytes";
+    } else if (controllers.empty() && line.rfind("0::", 0) == 0) {
+      dir = "/sys/fs/cgroup" + path;
+      limit_file = "/memory.max";
+      usage_file = "/memory.current";
+    } else {
+      continue;
+    }
+    const int64_t limit = read_int(dir + limit_file), usage = read_int(dir + usage_file);
+    // v1 reports "no limit" as a huge number.
+    if (limit <= 0 || usage < 0 || limit >= (int64_t{1} << 60)) continue;
+    std::ifstream procs(dir + "/cgroup.procs");
+    int processes = 0;
+    for (std::string pid; procs >> pid;) ++processes;
+    const int sharing = processes >= local_world_size ? local_world_size : 1;
+    return std::max<int64_t>(0, limit - usage) / sharing;
+  }
+  return -1;
+}
+
 }  // namespace
 
 int64_t memory_budget_bytes(const Options& options, c10::Device device, int local_world_size) {
@@ -67,8 +113,9 @@ int64_t memory_budget_bytes(const Options& options, c10::Device device, int loca
 #endif
   (void)device;
   int64_t budget = mem_available_bytes() / std::max(1, local_world_size);
-  const int64_t limited = data_limit_left();
-  if (limited >= 0) budget = std::min(budget, std::max<int64_t>(limited, 1));  // a limit of 0 left still checks
+  for (const int64_t limited : {data_limit_left(), cgroup_left(local_world_size)}) {
+    if (limited >= 0) budget = std::min(budget, std::max<int64_t>(limited, 1));  // 0 left still checks
+  }
   return budget;
 }
 

@@ -78,9 +78,9 @@ WrapPolicy size_based_policy(int64_t min_numel);
 // OOM killer (CPU) or an allocator error (CUDA) minutes later.
 struct MemoryBudget {
   // Bytes per rank. kAuto: on CPU the machine's available memory (MemAvailable, the smallest any
-  // rank sees) divided by the ranks on this node, or less where a data limit (RLIMIT_DATA, e.g.
-  // `prlimit --data`) leaves less beyond what the process has mapped; on CUDA the device's total
-  // memory. kOff: no
+  // rank sees) divided by the ranks on this node, or less where a memory cgroup's limit (a
+  // container's, shared by the local ranks in it, or one per rank) or a data limit (RLIMIT_DATA)
+  // leaves less; on CUDA the device's total memory. kOff: no
   // check. A positive value on CUDA is also enforced, through the caching allocator's per-process
   // memory fraction.
   static constexpr int64_t kAuto = -1, kOff = 0;
