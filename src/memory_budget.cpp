@@ -8,8 +8,10 @@
 #include <sstream>
 #include <string>
 
+#include "device.h"
 #include "fsdp/plan.h"
 #include "mesh_info.h"
+#include "mesh_state.h"
 #include "precision.h"
 
 #ifdef USE_C10D_NCCL
@@ -179,6 +181,24 @@ std::string explain_over_budget(torch::nn::Module& model, const MemoryPlan& plan
   out << "To override the check, set the budget yourself (or switch it off with MemoryBudget::kOff / "
          "--max-memory-per-rank 0).";
   return out.str();
+}
+
+void check_memory_budget(torch::nn::Module& model, Mesh& mesh, const Options& options, c10::Device device) {
+  const int local_world_size = mesh.env().local_world_size;
+  int64_t budget = memory_budget_bytes(options, device, local_world_size);
+  const int W = mesh.world_size();
+  if (W > 1) {
+    auto t = at::full({1}, budget, at::kLong);
+    std::vector<at::Tensor> one{t};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::MIN;
+    wait_for(detail::MeshState::of(mesh).world->allreduce(one, opts), "agreement on the memory budget");
+    budget = t.item<int64_t>();
+  }
+  if (budget <= 0) return;
+  const MemoryPlan plan = plan_memory(model, W, options, local_world_size);
+  if (plan.total() > budget) throw std::invalid_argument(explain_over_budget(model, plan, options, local_world_size, budget));
+  enforce_device_budget(device, options.memory_budget.max_bytes_per_rank);
 }
 
 }  // namespace fsdp

@@ -38,7 +38,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   const bool deferred = !plans.empty() && !plans[0].params.empty() && plans[0].params[0].is_meta();
   device_ = plans.empty() || plans[0].params.empty() || deferred ? c10::Device(c10::kCPU) : plans[0].params[0].device();
   if (options_.init_device) device_ = *options_.init_device;
-  check_memory_budget(mesh_->env().local_world_size);
+  check_memory_budget(*module_, *mesh_, options_, device_);
   if (deferred) {
     if (options_.sync_module_states) {
       throw std::invalid_argument("fsdp: sync_module_states with a deferred_init model: there is nothing to broadcast "
@@ -69,25 +69,6 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   runtime_->install_hooks();
   // A model built whole has just been freed, but for its shards: give that memory back.
   if (device_.is_cpu()) release_free_memory();
-}
-
-void ShardedRoot::check_memory_budget(int local_world_size) {
-  // Before anything is materialized or gathered. Every rank plans the same model (the fingerprint
-  // says so) and compares it with the smallest budget any rank has, so all refuse or none does.
-  int64_t budget = memory_budget_bytes(options_, device_, local_world_size);
-  const int W = mesh_->world_size();
-  if (W > 1) {
-    auto t = at::full({1}, budget, at::kLong);
-    std::vector<at::Tensor> one{t};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::MIN;
-    wait_for(MeshState::of(*mesh_).world->allreduce(one, opts), "agreement on the memory budget");
-    budget = t.item<int64_t>();
-  }
-  if (budget <= 0) return;
-  const MemoryPlan plan = plan_memory(*module_, W, options_, local_world_size);
-  if (plan.total() > budget) throw std::invalid_argument(explain_over_budget(*module_, plan, options_, local_world_size, budget));
-  enforce_device_budget(device_, options_.memory_budget.max_bytes_per_rank);
 }
 
 void ShardedRoot::materialize_buffers() {

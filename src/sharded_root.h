@@ -38,7 +38,6 @@ class ShardedRoot {
   void write_trace(const std::string& path) const;
 
  private:
-  void check_memory_budget(int local_world_size);
   void materialize_buffers();
   void broadcast_module_states();
 

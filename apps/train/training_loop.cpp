@@ -114,6 +114,8 @@ int train(const Config& c) {
     } else {
       plan = fsdp::plan_memory(*meta, W, options, env.local_world_size);
       deferred = c.init == "deferred" || (c.init == "auto" && plan.shard_size > 1);
+      // Refused here, before building (the wrapper checks again, on the built model).
+      fsdp::check_memory_budget(*meta, *mesh, options, device);
     }
   }
   const int64_t live_before_model = fsdp::process_memory().live_tensor_bytes;

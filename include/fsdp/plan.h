@@ -20,6 +20,7 @@
 
 #include <torch/nn/module.h>
 
+#include "fsdp/mesh.h"
 #include "fsdp/options.h"
 #include "fsdp/unit_info.h"
 
@@ -66,6 +67,14 @@ MemoryPlan plan_memory(torch::nn::Module& model, int world_size, const Options& 
 // in bytes: Options::memory_budget resolved (kAuto read from this machine); 0 when off. Local to
 // this rank: the constructor agrees on the smallest over all ranks before comparing.
 int64_t memory_budget_bytes(const Options& options, c10::Device device, int local_world_size);
+
+// Plans `model` (built, deferred or meta) for `mesh` and refuses it with explain_over_budget's text
+// (std::invalid_argument) when it exceeds the budget: collectively, every rank comparing with the
+// smallest budget any rank has, so all refuse or none does. FullyShardedDataParallel calls it
+// before materializing anything; call it yourself on a meta_init model to refuse before building.
+// `device`: where the shards will live. A positive budget on CUDA is also enforced (the caching
+// allocator's per-process fraction).
+void check_memory_budget(torch::nn::Module& model, Mesh& mesh, const Options& options, c10::Device device);
 
 // Why the plan does not fit `budget` and what would (other strategies, F, mixed precision, a
 // smaller batch, more ranks), computed from `model`'s shapes: the text of the refusal.
