@@ -29,8 +29,8 @@ struct ProcessMemory {
 // Makes fsdp's allocator libtorch's CPU allocator for the rest of the process (idempotent): it
 // counts live tensor bytes (process_memory, HostMemoryPeak) and keeps large freed blocks for reuse
 // by the next tensor of the same size, so that freed memory neither fragments glibc's heap nor
-// costs page faults again (src/host_memory.cpp measures why). FullyShardedDataParallel installs
-// it for models on the CPU; call it first thing to count everything (tensors allocated before
+// costs page faults again (src/host_memory.cpp says why). FullyShardedDataParallel installs
+// it when it wraps a model; call it first thing to count everything (tensors allocated before
 // are never counted).
 void install_host_allocator();
 
