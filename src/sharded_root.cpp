@@ -149,6 +149,13 @@ void ShardedRoot::summon(bool rank0_only, bool writeback) {
   runtime_->set_summoned(true);
 }
 
+void ShardedRoot::check_at_rest(const char* what) {
+  runtime_->check_not_failed();
+  TORCH_CHECK(!summoned_, "fsdp: ", what, " cannot run inside a summon_full_params scope; end it first");
+  TORCH_CHECK(runtime_->at_rest(), "fsdp: ", what, " must be called outside forward and backward, not between a "
+                                   "forward and its backward");
+}
+
 void ShardedRoot::end_summon(bool writeback) {
   for (auto& u : units_) u->handle().end_summon(writeback);
   summoned_ = false;

@@ -37,6 +37,14 @@ class ShardedRoot {
   std::vector<Span> timeline() const { return comm_->timeline().spans(); }
   void write_trace(const std::string& path) const;
 
+  // For checkpoints: the units, their communication, the module and the mesh.
+  const std::vector<std::unique_ptr<Unit>>& unit_list() const { return units_; }
+  CommContext& comm() { return *comm_; }
+  torch::nn::Module& module() { return *module_; }
+  Mesh& mesh() { return *mesh_; }
+  // Throws unless every unit is at rest (outside forward and backward, no summon scope), naming `what`.
+  void check_at_rest(const char* what);
+
  private:
   void materialize_buffers();
   void broadcast_module_states();
@@ -51,6 +59,11 @@ class ShardedRoot {
   bool summoned_ = false;
   int64_t alloc_retries_at_reset_ = 0;
   int64_t step_ = 0;
+};
+
+// The library's access to a wrapped model's root (the public class keeps it private).
+struct RootAccess {
+  static ShardedRoot& of(FullyShardedDataParallelBase& model) { return *model.root_; }
 };
 
 }  // namespace fsdp::detail

@@ -55,6 +55,20 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--memory-timeline", c.memory_timeline,
                  "write each rank's memory through step --trace-step, sampled every millisecond, to "
                  "DIR/memory-rank*.csv");
+  app.add_option("--save-dir", c.save_dir, "save checkpoints under this folder (step-00000010/, ...): every --save-every "
+                 "steps and after the last step");
+  app.add_option("--save-every", c.save_every, "save a checkpoint every N steps (0: only after the last step)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-kind", c.checkpoint_kind,
+                 "sharded (each rank its pieces; reshardable; readable by torch.distributed.checkpoint), full (one "
+                 "file gathered by rank 0) or local (raw shards; same layout only)")
+      ->check(CLI::IsMember({"full", "sharded", "local"}));
+  app.add_flag("--async-save", c.async_save, "copy the state to host memory and write it on a background thread");
+  app.add_option("--keep-last", c.keep_last, "keep only the newest K checkpoints (0: all)")->check(CLI::NonNegativeNumber);
+  app.add_option("--resume", c.resume, "resume from this checkpoint folder, or from the newest one under this --save-dir");
+  app.add_option("--export-full", c.export_full, "after training, write the whole model to this .safetensors file");
+  app.add_option("--load-weights", c.load_weights,
+                 "before training, load the model's weights from a .safetensors file or a torch.save file of a dict");
   app.add_flag("--plan", c.plan, "print the per-rank memory plan (fp32 and bf16) without allocating the model, then exit");
   app.add_option("--world-size", c.plan_world, "--plan: ranks to plan for (default: --nproc-per-node)")->check(CLI::PositiveNumber);
   app.add_option("--ranks-per-node", c.plan_local, "--plan: ranks per node (the hybrid strategies' default F)")

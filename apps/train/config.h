@@ -48,6 +48,15 @@ struct Config {
   // the device's memory on CUDA), "0" (no check), or a size: 1.5GiB, 800MiB, 2e9.
   std::string max_memory = "auto";
   std::string memory_timeline;  // write each rank's memory through step `trace_step` here (CSV)
+  // Checkpoints (docs/checkpoints.md).
+  std::string save_dir;      // save checkpoints under this folder
+  int save_every = 0;        // every N steps (and after the last step); 0: only after the last step
+  std::string checkpoint_kind = "sharded";  // full, sharded or local
+  bool async_save = false;   // write on a background thread while training continues
+  int keep_last = 0;         // keep the newest K checkpoints; 0: all
+  std::string resume;        // a checkpoint folder, or a --save-dir folder (its newest checkpoint)
+  std::string export_full;   // after training, write the whole model to this .safetensors file
+  std::string load_weights;  // before training, load weights from a .safetensors or torch.save file
   bool plan = false;         // print the per-rank memory plan for plan_world ranks, then exit
   int plan_world = 0;
   int plan_local = 8;        // ranks per node, for the plan's hybrid strategies

@@ -19,6 +19,7 @@ class LocalTrainee final : public Trainee {
   std::string describe() const override { return "local training (no fsdp)"; }
   bool write_trace(const std::string&) const override { return false; }
   bool is_sharded() const override { return false; }
+  fsdp::FullyShardedDataParallelBase* wrapped() override { return nullptr; }
 
  private:
   models::GPT model_;
@@ -45,6 +46,7 @@ class ShardedTrainee final : public Trainee {
     return true;
   }
   bool is_sharded() const override { return true; }
+  fsdp::FullyShardedDataParallelBase* wrapped() override { return &fsdp_; }
 
  private:
   fsdp::FullyShardedDataParallel<models::GPTImpl> fsdp_;

@@ -26,6 +26,8 @@ class Trainee {
   // This step's Chrome trace; false when there is none (local training records no timeline).
   virtual bool write_trace(const std::string& path) const = 0;
   virtual bool is_sharded() const = 0;
+  // The wrapped model, for checkpoints (null for local training).
+  virtual fsdp::FullyShardedDataParallelBase* wrapped() = 0;
 };
 
 // `unique_params`: the model's parameters, a tied weight once.

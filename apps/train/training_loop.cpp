@@ -1,6 +1,7 @@
 // fsdp-train's training run (one rank): builds the GPT, wraps it (or not, with --local), and runs
 // the loop: zero_grad, forward, backward (scaled with fp16), clip, step, log.
 #include <chrono>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <set>
@@ -9,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "config.h"
+#include "fsdp/checkpoint.h"
 #include "fsdp/deferred_init.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/plan.h"
@@ -136,6 +138,42 @@ int train(const Config& c) {
   if (c.local) trainee = local_trainee(model, optim.unique_params);
   const fsdp::ProcessMemory constructed = fsdp::process_memory(device);
 
+  // Checkpoints: weights from a file, a resumed run, and the checkpointer for this one.
+  if (c.local && (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty() || !c.load_weights.empty())) {
+    throw std::invalid_argument("--save-dir, --resume, --export-full and --load-weights need fsdp; drop --local");
+  }
+  fsdp::FullyShardedDataParallelBase* wrapped = trainee->wrapped();
+  fsdp::ShardedGradScaler* scaler_ptr = scaler ? &*scaler : nullptr;
+  if (!c.load_weights.empty()) fsdp::load_model_file(c.load_weights, *wrapped);
+  int start_step = 0;
+  if (!c.resume.empty()) {
+    std::string path = c.resume;
+    if (!std::ifstream(path + "/manifest.json")) {
+      auto latest = fsdp::latest_checkpoint(path);
+      if (!latest) {
+        throw std::invalid_argument("--resume " + path + ": neither a checkpoint (no manifest.json) nor a folder of "
+                                    "checkpoints (no complete step-N/ inside)");
+      }
+      path = *latest;
+    }
+    const fsdp::TrainingState resumed = fsdp::load_checkpoint(path, *wrapped, optim.adamw.get(), scaler_ptr);
+    start_step = static_cast<int>(resumed.step);
+    const auto saved = nlohmann::json::parse(resumed.user_json);
+    if (saved.value("seed", c.seed) != c.seed && rank == 0) {
+      std::cout << "fsdp-train: note: the checkpoint was trained with --seed " << saved["seed"]
+                << "; batches from step " << start_step << " on follow --seed " << c.seed << std::endl;
+    }
+    if (rank == 0) std::cout << "fsdp-train: resumed from " << path << " at step " << start_step << std::endl;
+  }
+  std::unique_ptr<fsdp::Checkpointer> checkpointer;
+  if (!c.save_dir.empty()) {
+    fsdp::CheckpointOptions co;
+    co.kind = fsdp::parse_state_dict_kind(c.checkpoint_kind);
+    co.keep_last = c.keep_last;
+    co.async = c.async_save;
+    checkpointer = std::make_unique<fsdp::Checkpointer>(mesh, c.save_dir, co);
+  }
+
   if (rank == 0) {
     std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
               << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
@@ -146,7 +184,7 @@ int train(const Config& c) {
   const double tokens_per_step = static_cast<double>(c.global_batch * cfg.block_size);
   std::optional<MemoryTimeline> timeline;
   if (!c.memory_timeline.empty()) timeline.emplace(device);
-  for (int step = 0; step < c.steps; ++step) {
+  for (int step = start_step; step < c.steps; ++step) {
     trainee->begin_step();
     MemoryTimeline* sampling = timeline && step == c.trace_step ? &*timeline : nullptr;
     if (sampling) sampling->start();
@@ -239,10 +277,28 @@ int train(const Config& c) {
       mesh->world()->allreduce(e)->wait();
       if (rank == 0) std::cout << "step " << step << " | eval loss " << e[0].item<double>() / W << std::endl;
     }
-    metrics_out.write(to_json(r));
+    nlohmann::json record = to_json(r);
+    if (checkpointer && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
+      // The batches are a function of the step, so the step is the data position.
+      const auto s0 = std::chrono::steady_clock::now();
+      const nlohmann::json training = {{"data_position", step + 1}, {"seed", c.seed}};
+      const std::string where = checkpointer->save(*wrapped, optim.adamw.get(), {step + 1, training.dump()}, scaler_ptr);
+      const double stall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
+      record["checkpoint_stall_ms"] = stall;
+      if (rank == 0) {
+        std::cout << "fsdp-train: " << (c.async_save ? "saving " : "saved ") << where << " (training stalled "
+                  << static_cast<int64_t>(stall) << " ms)" << std::endl;
+      }
+    }
+    metrics_out.write(record);
     if (rank == 0 && (step % c.log_every == 0 || step == c.steps - 1)) {
       std::cout << progress_line(r, trainee->is_sharded(), device.is_cuda()) << std::endl;
     }
+  }
+  if (checkpointer) checkpointer->wait();
+  if (!c.export_full.empty()) {
+    fsdp::export_full(c.export_full, *wrapped);
+    if (rank == 0) std::cout << "fsdp-train: wrote the whole model to " << c.export_full << std::endl;
   }
   return 0;
 }

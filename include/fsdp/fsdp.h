@@ -38,6 +38,7 @@ void fully_shard(const torch::nn::Module& module);
 
 namespace detail {
 class ShardedRoot;
+struct RootAccess;  // the library's own view of a wrapped model (checkpoints)
 }
 
 // summon_full_params' choices (see there).
@@ -146,6 +147,7 @@ class FullyShardedDataParallelBase {
   std::optional<c10::ScalarType> input_dtype() const;
 
  private:
+  friend struct detail::RootAccess;
   void begin_forward();
   void end_forward(bool ok);  // ok = false: the forward threw
   std::shared_ptr<detail::ShardedRoot> root_;

@@ -30,6 +30,12 @@ struct GradScalerOptions {
   int64_t growth_interval = 2000;  // steps without overflow before the scale grows
 };
 
+// What resuming needs of a scaler: its scale and how many good steps it has counted toward growth.
+struct GradScalerState {
+  double scale = 65536.0;
+  int64_t growth_tracker = 0;
+};
+
 class ShardedGradScaler {
  public:
   explicit ShardedGradScaler(std::shared_ptr<Mesh> mesh, GradScalerOptions options = {});
@@ -44,6 +50,11 @@ class ShardedGradScaler {
   void update();
 
   double get_scale() const { return scale_; }
+  GradScalerState state() const { return {scale_, good_steps_}; }
+  void load_state(const GradScalerState& s) {
+    scale_ = s.scale;
+    good_steps_ = s.growth_tracker;
+  }
   bool found_inf() const { return found_inf_; }
 
  private:

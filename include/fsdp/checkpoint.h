@@ -1,0 +1,117 @@
+// Checkpoints (paper §3.2's state dicts; docs/checkpoints.md): a wrapped model's parameters and
+// buffers, its optimizer's state and what resuming needs, keyed by the original parameter names,
+// on disk as a folder of safetensors files and a JSON manifest.
+//
+//   fsdp::Checkpointer ckpt(mesh, "run/checkpoints", {.kind = fsdp::StateDictKind::SHARDED, .keep_last = 3});
+//   if (auto last = ckpt.latest()) start = fsdp::load_checkpoint(*last, model, &optim).step;
+//   for (step = start; ...) { ...; if (step % 100 == 0) ckpt.save(model, &optim, {.step = step + 1}); }
+//
+// Three kinds, as PyTorch's FSDP offers them:
+//   FULL     every parameter in its original shape in one file, written by rank 0 as it gathers
+//            one unit at a time (no rank holds more than its shards and one unit).
+//   SHARDED  each rank writes the pieces it holds with their place in the whole tensor, no
+//            communication; torch.distributed.checkpoint's Hugging Face reader reads the folder.
+//   LOCAL    each rank's raw flat shards: the fastest resume, into the same layout only.
+// FULL and SHARDED load into a model wrapped at any strategy and world size (each rank reads only
+// the elements it holds). A load checks everything first and changes nothing unless every rank
+// can load all of it. Saves go to a temporary folder, are fsynced and renamed into place once
+// every rank's part is complete, so a crash during a save leaves the previous checkpoint intact.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include "fsdp/fsdp.h"
+#include "fsdp/grad_scaler.h"
+#include "fsdp/mesh.h"
+
+namespace fsdp {
+
+enum class StateDictKind { FULL, SHARDED, LOCAL };
+StateDictKind parse_state_dict_kind(const std::string& name);  // "full", "sharded", "local"
+std::string to_string(StateDictKind kind);
+
+// What a training loop needs besides weights and optimizer state to continue where it stopped.
+struct TrainingState {
+  int64_t step = 0;              // the next step to run
+  std::string user_json = "{}";  // anything else, as a JSON object (data position, schedule, ...)
+};
+
+struct CheckpointOptions {
+  StateDictKind kind = StateDictKind::SHARDED;
+  int keep_last = 0;   // after a save, delete all but the newest K checkpoints; 0 keeps every one
+  // Copy this rank's state to host memory and write it on a background thread while training
+  // continues; the next save (or wait(), or the destructor) waits for it. SHARDED and LOCAL only.
+  bool async = false;
+};
+
+class Checkpointer {
+ public:
+  // `dir` holds checkpoints step-00000010/, step-00000020/, ...; it must be one folder that every
+  // rank sees (a shared file system when ranks are on several hosts). Collective: every rank
+  // constructs one, in the same order.
+  Checkpointer(std::shared_ptr<Mesh> mesh, std::string dir, CheckpointOptions options = {});
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Collective. Saves `model` (and `optimizer`, `scaler` when given) as checkpoint `state.step`.
+  // Returns the checkpoint's folder (with async, the folder it will have once committed).
+  std::string save(FullyShardedDataParallelBase& model, torch::optim::Optimizer* optimizer,
+                   const TrainingState& state, const ShardedGradScaler* scaler = nullptr);
+  // Waits until the last asynchronous save is committed; throws its error if it failed.
+  void wait();
+  // The newest complete checkpoint under the folder, if any.
+  std::optional<std::string> latest() const;
+  const std::string& dir() const { return dir_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::string dir_;
+};
+
+// The newest complete checkpoint (step-N folder with its manifest) under `dir`, if any.
+std::optional<std::string> latest_checkpoint(const std::string& dir);
+
+// Collective. Loads checkpoint folder `path` (any kind) into `model` and, when given, `optimizer`
+// and `scaler`; restores each rank's random number generators when the world size is the same.
+// Returns the training state saved with it. Throws, naming the file and the problem, with nothing
+// changed on any rank when any rank cannot load all of it.
+TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelBase& model,
+                              torch::optim::Optimizer* optimizer = nullptr, ShardedGradScaler* scaler = nullptr);
+
+// Collective. Writes the model's parameters and buffers whole to one safetensors file (rank 0
+// writes, gathering one unit at a time): what Python's safetensors.torch.load_file reads. Tied
+// weights are written once; the file's "__metadata__" lists their other names under "aliases".
+void export_full(const std::string& path, FullyShardedDataParallelBase& model);
+
+// Collective. Loads a plain state dict file into `model`: safetensors (e.g. saved from Python with
+// safetensors.torch.save_file), or a torch.save file of a dict of tensors. Names are the model's
+// parameter and buffer names; a tied weight may appear under any of its names. Each rank reads only
+// the elements it holds from a safetensors file.
+void load_model_file(const std::string& path, FullyShardedDataParallelBase& model);
+
+// In memory, keyed by the original names: every parameter and buffer whole (collective; with
+// rank0_only the other ranks get an empty list and hold one unit at a time).
+std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedDataParallelBase& model,
+                                                                bool rank0_only = true);
+
+// One tensor's piece held by this rank: `local` holds elements [flat_begin, flat_begin + numel)
+// of the whole tensor of `shape`, flattened in row-major order.
+struct ShardedTensor {
+  std::vector<int64_t> shape;
+  int64_t flat_begin = 0;
+  at::Tensor local;
+};
+// In memory: this rank's pieces (views of its shards, no copies, no communication).
+std::vector<std::pair<std::string, ShardedTensor>> sharded_state_dict(FullyShardedDataParallelBase& model);
+
+}  // namespace fsdp
