@@ -19,7 +19,6 @@
 
 #include <atomic>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <future>
 #include <thread>
@@ -30,13 +29,13 @@
 
 #include "checkpoint_reader.h"
 #include "checkpoint_writer.h"
+#include "file_system.h"
 #include "mesh_state.h"
 #include "safetensors.h"
 #include "sharded_root.h"
 #include "state_dict.h"
 
 namespace fsdp {
-namespace fs = std::filesystem;
 namespace {
 
 std::string step_name(int64_t step) {
@@ -110,6 +109,8 @@ void agree(const GroupPtr& group, const std::string& mine, const std::string& wh
   }
 }
 
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
 template <typename Fn>
 std::string error_of(Fn&& fn) {
   try {
@@ -124,13 +125,11 @@ std::string error_of(Fn&& fn) {
 // Complete checkpoints under `dir`, oldest first.
 std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> out;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("step-", 0) != 0 || !entry.is_directory()) continue;
-    if (!fs::exists(entry.path() / "manifest.json")) continue;
+  for (const std::string& name : list_directory(dir)) {
+    const std::string path = dir + "/" + name;
+    if (name.rfind("step-", 0) != 0 || !is_directory(path) || !path_exists(path + "/manifest.json")) continue;
     try {
-      out.emplace_back(std::stoll(name.substr(5)), entry.path().string());
+      out.emplace_back(std::stoll(name.substr(5)), path);
     } catch (const std::exception&) {
     }
   }
@@ -233,17 +232,17 @@ struct Checkpointer::Impl {
         fsync_path(tmp);
         const std::string final_path = dir + "/" + step_name(manifest["step"].get<int64_t>());
         std::string old;
-        if (fs::exists(final_path)) {  // saving the same step again: the new one replaces it
+        if (path_exists(final_path)) {  // saving the same step again: the new one replaces it
           old = dir + "/.old-" + step_name(manifest["step"].get<int64_t>());
-          fs::remove_all(old);
-          fs::rename(final_path, old);
+          remove_tree(old);
+          rename_path(final_path, old);
         }
-        fs::rename(tmp, final_path);
+        rename_path(tmp, final_path);
         fsync_path(dir);
-        if (!old.empty()) fs::remove_all(old);
+        if (!old.empty()) remove_tree(old);
         if (options.keep_last > 0) {
           auto all = complete_checkpoints(dir);
-          for (size_t i = 0; i + options.keep_last < all.size(); ++i) fs::remove_all(all[i].second);
+          for (size_t i = 0; i + options.keep_last < all.size(); ++i) remove_tree(all[i].second);
         }
       });
     }
@@ -256,13 +255,12 @@ struct Checkpointer::Impl {
     std::string err;
     if (group->getRank() == 0) {
       err = error_of([&] {
-        fs::create_directories(dir);
-        for (const auto& entry : fs::directory_iterator(dir)) {
-          const std::string name = entry.path().filename().string();
-          if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0) fs::remove_all(entry.path());
+        make_directories(dir);
+        for (const std::string& name : list_directory(dir)) {
+          if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0) remove_tree(dir + "/" + name);
         }
-        fs::create_directories(tmp + "/model");
-        fs::create_directories(tmp + "/optim");
+        make_directories(tmp + "/model");
+        make_directories(tmp + "/optim");
       });
     }
     agree(group, err, "preparing checkpoint folder " + tmp);
@@ -419,7 +417,7 @@ void export_full(const std::string& path, FullyShardedDataParallelBase& model) {
   const std::string tmp = path + ".tmp";
   const int rank = root.comm().mesh().rank;
   std::string err = error_of([&] { write_full_model_file(tmp, root, rs); });
-  if (rank == 0 && err.empty()) err = error_of([&] { fs::rename(tmp, path); });
+  if (rank == 0 && err.empty()) err = error_of([&] { rename_path(tmp, path); });
   agree(root.comm().mesh().world_group, err, "exporting " + path);
 }
 
@@ -438,7 +436,7 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
         value = torch::pickle_load(data);
       } catch (const std::exception& e) {
         throw std::runtime_error(
-            "fsdp: cannot read " + path + " with libtorch's unpickler (" + std::string(e.what()).substr(0, 200) +
+            "fsdp: cannot read " + path + " with libtorch's unpickler (" + first_line(e.what()) +
             "). A torch.save of model.state_dict() stores an OrderedDict, which libtorch cannot read (PyTorch issue "
             "#100741). Re-save it from Python as a plain dict, torch.save(dict(model.state_dict()), path), or as "
             "safetensors, safetensors.torch.save_model(model, path).");
@@ -475,7 +473,8 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedData
       [&](const Unit& u, const at::Tensor& full) {
         if (!keep) return;
         for (const auto& e : u.handle().layout().entries()) out.emplace_back(e.fqn, view_of_param(full, e).clone());
-      });
+      },
+      rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
   if (keep) {
     for (const auto& b : root.module().named_buffers(true)) {
       if (b.value().defined()) out.emplace_back(b.key(), b.value().detach().clone());

@@ -37,6 +37,7 @@ void write_file(const std::string& root_folder, const std::string& rel, std::vec
       *first = false;
       maybe_killed_for_test(rank);
     }
+    if (tensors[i].piece.is_null()) continue;  // LOCAL's flat shards: their parameters' pieces point in
     nlohmann::json piece = tensors[i].piece;
     piece["file"] = rel;
     part["pieces"][tensors[i].entry.name].push_back(piece);
@@ -55,10 +56,14 @@ WrittenPart empty_part() { return {{"pieces", nlohmann::json::object()}, {"files
 
 void maybe_killed_for_test(int rank) {
   static const char* env = std::getenv("FSDP_TEST_KILL_RANK_IN_SAVE");
-  if (env && std::atoi(env) == rank) {
-    std::fprintf(stderr, "fsdp: FSDP_TEST_KILL_RANK_IN_SAVE=%d: rank %d kills itself in the middle of a save\n", rank, rank);
-    std::raise(SIGKILL);
-  }
+  static int saves = 0;  // this process's saves that reached this point
+  if (!env) return;
+  ++saves;
+  int who = -1, nth = 1;
+  if (std::sscanf(env, "%d:%d", &who, &nth) < 1 || who != rank || saves != nth) return;
+  std::fprintf(stderr, "fsdp: FSDP_TEST_KILL_RANK_IN_SAVE=%s: rank %d kills itself in the middle of its save %d\n", env,
+               rank, nth);
+  std::raise(SIGKILL);
 }
 
 WrittenPart write_rank_files(const std::string& folder, const RankState& state, StateDictKind kind, int rank,
@@ -185,7 +190,8 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
           piece["file"] = rel;
           part["pieces"][e.fqn].push_back(piece);
         }
-      });
+      },
+      GatherTo::TO_RANK0);
   if (!writer) return;
   for (const StatePiece* b : buffers) {
     w->write_next(b->local);
@@ -252,7 +258,8 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
             piece["file"] = rel;
             part["pieces"][name].push_back(piece);
           }
-        });
+        },
+        GatherTo::TO_RANK0);
   }
   if (writer) {
     const uint32_t crc = w->finish();

@@ -32,8 +32,9 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
 // whole, aliases in its metadata. Collective.
 void write_full_model_file(const std::string& path, detail::ShardedRoot& root, const RankState& state);
 
-// Test hook for crash safety (tests/test_checkpoint.cpp): with FSDP_TEST_KILL_RANK_IN_SAVE=r in
-// the environment, rank r kills itself (SIGKILL) halfway through writing its first file.
+// Test hook for crash safety (tests/test_checkpoint.cpp): with FSDP_TEST_KILL_RANK_IN_SAVE=r:n in
+// the environment, rank r kills itself (SIGKILL) in its n-th save (default 1), after the first
+// tensor of its first file: a deterministic point, not a timing.
 void maybe_killed_for_test(int rank);
 
 }  // namespace fsdp

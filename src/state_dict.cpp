@@ -171,29 +171,53 @@ at::Tensor view_of_param(const at::Tensor& unsharded_flat, const FlatParamEntry&
 }
 
 void gather_units(detail::ShardedRoot& root, const std::function<at::Tensor(const Unit&, size_t)>& local_of,
-                  const std::function<void(const Unit&, const at::Tensor&)>& consume) {
+                  const std::function<void(const Unit&, const at::Tensor&)>& consume, GatherTo to) {
   at::NoGradGuard no_grad;
   CommContext& comm = root.comm();
-  const int F = comm.mesh().shard_size;
+  const MeshInfo& mi = comm.mesh();
+  const int F = mi.shard_size;
+  // TO_RANK0 concerns rank 0's shard group only (shard groups are F consecutive ranks).
+  if (to == GatherTo::TO_RANK0 && mi.rank >= F) return;
   for (const auto& unit : root.unit_list()) {
     const FlatParamHandle& h = unit->handle();
-    const auto cpu = at::TensorOptions().dtype(h.dtypes().master).device(h.shard().device());
-    at::Tensor shard = at::zeros({h.layout().shard_numel()}, cpu);
-    for (size_t i = 0; i < h.slices().size(); ++i) {
-      const ShardSlice& s = h.slices()[i];
-      const at::Tensor local = local_of(*unit, i);
-      if (s.length > 0 && local.defined()) shard.narrow(0, s.shard_offset, s.length).copy_(local.reshape({-1}));
+    const auto opts = at::TensorOptions().dtype(h.dtypes().master).device(h.shard().device());
+    const int64_t n = h.layout().shard_numel();
+    auto fill = [&](at::Tensor into) {  // this rank's shard of the stream, into `into` ([n], zeros)
+      for (size_t i = 0; i < h.slices().size(); ++i) {
+        const ShardSlice& s = h.slices()[i];
+        const at::Tensor local = local_of(*unit, i);
+        if (s.length > 0 && local.defined()) into.narrow(0, s.shard_offset, s.length).copy_(local.reshape({-1}));
+      }
+    };
+    if (to == GatherTo::TO_RANK0) {
+      if (mi.rank == 0) {
+        at::Tensor full = at::zeros({h.layout().padded_numel()}, opts);
+        fill(full.narrow(0, 0, n));
+        for (int r = 1; r < F; ++r) {
+          std::vector<at::Tensor> slot{full.narrow(0, r * n, n)};
+          wait_for(mi.shard_group->recv(slot, r, unit->index()), "receive of a shard (checkpoint)");
+        }
+        consume(*unit, full);
+      } else {
+        std::vector<at::Tensor> mine{at::zeros({n}, opts)};
+        fill(mine[0]);
+        wait_for(mi.shard_group->send(mine, 0, unit->index()), "send of a shard (checkpoint)");
+      }
+      continue;
     }
+    at::Tensor shard = at::zeros({n}, opts);
+    fill(shard);
     if (F == 1) {
       consume(*unit, shard);
       continue;
     }
     at::Tensor full;
     InFlight f = comm.issue(CommKind::ALL_GATHER, Over::SHARD_GROUP, unit->index(), "state (checkpoint)", [&] {
-      full = at::empty({h.layout().padded_numel()}, cpu);
+      full = at::empty({h.layout().padded_numel()}, opts);
       return Buffers{full, shard};
     });
     comm.wait(f);
+    f = InFlight{};
     shard = at::Tensor();
     consume(*unit, full);
   }

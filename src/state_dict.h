@@ -71,12 +71,17 @@ std::vector<Box> boxes_of_range(const std::vector<int64_t>& shape, int64_t begin
 at::Tensor view_of_param(const at::Tensor& unsharded_flat, const FlatParamEntry& entry);
 
 // Collective over `root`'s shard group: for each unit, the whole flat tensor of one "stream" (the
-// parameters, or one optimizer state key), in the unit's master dtype, gathered from every rank's
-// pieces and handed to `consume` with the unit (every rank receives it; rank 0 writes it). Holds
-// one unit at a time. `local_of(unit, i)` returns this rank's elements of the unit's parameter i
-// (undefined: zeros).
+// parameters, or one optimizer state key), in the unit's master dtype, assembled from every rank's
+// pieces and handed to `consume` with the unit. Holds one unit at a time. `local_of(unit, i)`
+// returns this rank's elements of the unit's parameter i (undefined: zeros).
+//   TO_ALL:   an all-gather; every rank receives every unit (full_state_dict on all ranks).
+//   TO_RANK0: for writing: rank 0 receives each shard straight into its slice of the unit's buffer
+//             (point-to-point, no staging copy), so it holds one unit beyond its shards; the other
+//             ranks of its shard group send a copy of their shard (a 1/F unit) and never receive;
+//             other replicas do nothing. `consume` runs on rank 0 only.
+enum class GatherTo { TO_ALL, TO_RANK0 };
 void gather_units(detail::ShardedRoot& root, const std::function<at::Tensor(const Unit&, size_t)>& local_of,
-                  const std::function<void(const Unit&, const at::Tensor&)>& consume);
+                  const std::function<void(const Unit&, const at::Tensor&)>& consume, GatherTo to);
 
 // Every rank's string, in rank order (Gloo, CPU): how parts of a manifest and errors travel.
 std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine);

@@ -156,14 +156,23 @@ int train(const Config& c) {
       }
       path = *latest;
     }
+    const auto l0 = std::chrono::steady_clock::now();
     const fsdp::TrainingState resumed = fsdp::load_checkpoint(path, *wrapped, optim.adamw.get(), scaler_ptr);
+    const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
     start_step = static_cast<int>(resumed.step);
     const auto saved = nlohmann::json::parse(resumed.user_json);
     if (saved.value("seed", c.seed) != c.seed && rank == 0) {
       std::cout << "fsdp-train: note: the checkpoint was trained with --seed " << saved["seed"]
                 << "; batches from step " << start_step << " on follow --seed " << c.seed << std::endl;
     }
-    if (rank == 0) std::cout << "fsdp-train: resumed from " << path << " at step " << start_step << std::endl;
+    if (rank == 0) {
+      std::cout << "fsdp-train: resumed from " << path << " at step " << start_step << " (loaded in "
+                << static_cast<int64_t>(load_ms) << " ms)" << std::endl;
+      if (start_step >= c.steps) {
+        std::cout << "fsdp-train: note: the checkpoint is at step " << start_step << ", not below --steps " << c.steps
+                  << ": nothing to train; raise --steps to continue" << std::endl;
+      }
+    }
   }
   std::unique_ptr<fsdp::Checkpointer> checkpointer;
   if (!c.save_dir.empty()) {
@@ -281,10 +290,16 @@ int train(const Config& c) {
     if (checkpointer && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
       // The batches are a function of the step, so the step is the data position.
       const auto s0 = std::chrono::steady_clock::now();
+      const fsdp::HostMemoryPeak save_peak;  // what the save allocates (FULL: one unit at a time)
       const nlohmann::json training = {{"data_position", step + 1}, {"seed", c.seed}};
       const std::string where = checkpointer->save(*wrapped, optim.adamw.get(), {step + 1, training.dump()}, scaler_ptr);
       const double stall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
+      int64_t largest_unit = 0;
+      for (const auto& u : wrapped->units()) largest_unit = std::max(largest_unit, u.padded_numel * u.element_size);
       record["checkpoint_stall_ms"] = stall;
+      record["checkpoint_memory"] = {{"peak_increase_bytes", save_peak.peak_bytes()},
+                                     {"largest_unit_bytes", largest_unit},
+                                     {"live_before_bytes", save_peak.start_bytes()}};
       if (rank == 0) {
         std::cout << "fsdp-train: " << (c.async_save ? "saving " : "saved ") << where << " (training stalled "
                   << static_cast<int64_t>(stall) << " ms)" << std::endl;

@@ -1,0 +1,334 @@
+// Checkpoints as a user runs them (issue 11, docs/checkpoints.md): fsdp-train saves, stops and
+// resumes in new processes; checkpoints are resharded onto other world sizes and strategies,
+// damaged on purpose, written while a rank is killed, and read and written by Python.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "dist_test_util.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+const std::string kTrain = "--log-every 1000 ";
+
+std::string fresh_dir(const std::string& name) {
+  const std::string d = fsdp_test::temp_prefix("ckpt-" + name);
+  fsdp_test::sh("rm -rf " + d + " && mkdir -p " + d);
+  return d;
+}
+
+std::string step_dir(const std::string& dir, int step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "/step-%08d", step);
+  return dir + buf;
+}
+
+struct TrainRun {
+  fsdp_test::Run run;
+  std::vector<json> rows;
+  // (step, rank) -> loss
+  std::map<std::pair<int, int>, double> losses() const {
+    std::map<std::pair<int, int>, double> out;
+    for (const auto& r : rows) out[{r["step"].get<int>(), r["rank"].get<int>()}] = r["loss"].get<double>();
+    return out;
+  }
+};
+
+TrainRun train(const std::string& dir, const std::string& name, const std::string& args, const std::string& env = "") {
+  const std::string metrics = dir + "/" + name + ".jsonl";
+  TrainRun t;
+  const std::string model = args.find("--model ") == std::string::npos ? "--model tiny " : "";
+  t.run = fsdp_test::sh(env + " " + fsdp_test::bin_dir() + "/fsdp-train " + kTrain + model + "--metrics-jsonl " + metrics +
+                        " " + args, 300);
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) t.rows.push_back(json::parse(line));
+  return t;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Every safetensors file of two checkpoints, byte for byte (the manifests hold the same state too,
+// but also the RNG and file lists, compared by the files themselves).
+void expect_same_tensors(const std::string& a, const std::string& b) {
+  const auto files = fsdp_test::sh("cd " + a + " && find . -name \"*.safetensors\" | sort");
+  ASSERT_EQ(files.exit_code, 0);
+  std::istringstream list(files.output);
+  std::string f;
+  int n = 0;
+  while (std::getline(list, f)) {
+    ++n;
+    const std::string x = read_file(a + "/" + f), y = read_file(b + "/" + f);
+    EXPECT_FALSE(x.empty()) << a << "/" << f;
+    EXPECT_TRUE(x == y) << f << " differs between " << a << " and " << b;
+  }
+  EXPECT_GT(n, 0) << "no tensor files in " << a;
+  const json ma = json::parse(read_file(a + "/manifest.json")), mb = json::parse(read_file(b + "/manifest.json"));
+  EXPECT_EQ(ma["optimizer"], mb["optimizer"]);
+  EXPECT_EQ(ma["scaler"], mb["scaler"]);
+}
+
+struct ResumeCase {
+  std::string name, flags;
+};
+void PrintTo(const ResumeCase& c, std::ostream* os) { *os << c.name; }
+
+class ResumeIsBitExact : public testing::TestWithParam<ResumeCase> {};
+
+// Train 20 steps, saving at step 10; separately resume the step-10 checkpoint in a new process and
+// train to step 20: the losses of steps 10-19 and the final parameters and optimizer state are
+// bitwise those of the uninterrupted run.
+TEST_P(ResumeIsBitExact, LossesParametersAndOptimizerState) {
+  const ResumeCase& c = GetParam();
+  const std::string dir = fresh_dir("resume-" + c.name);
+  const auto whole = train(dir, "whole", c.flags + " --steps 20 --save-every 10 --save-dir " + dir + "/whole");
+  ASSERT_EQ(whole.run.exit_code, 0) << whole.run.output;
+  const auto resumed = train(dir, "resumed", c.flags + " --steps 20 --save-dir " + dir + "/resumed --resume " +
+                                                 step_dir(dir + "/whole", 10));
+  ASSERT_EQ(resumed.run.exit_code, 0) << resumed.run.output;
+  EXPECT_NE(resumed.run.output.find("resumed from"), std::string::npos) << resumed.run.output;
+  const auto a = whole.losses(), b = resumed.losses();
+  ASSERT_FALSE(b.empty());
+  EXPECT_EQ(b.begin()->first.first, 10) << "the resumed run must start at step 10";
+  for (const auto& [key, loss] : b) {
+    ASSERT_TRUE(a.count(key));
+    EXPECT_EQ(loss, a.at(key)) << "step " << key.first << " rank " << key.second;
+  }
+  expect_same_tensors(step_dir(dir + "/whole", 20), step_dir(dir + "/resumed", 20));
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+std::vector<ResumeCase> resume_cases() {
+  std::vector<ResumeCase> out;
+  for (const std::string s : {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"}) {
+    const bool hybrid = s.rfind("hybrid", 0) == 0;
+    const std::string launch = hybrid ? "--nproc-per-node 4 --shard-size 2" : "--nproc-per-node 2";
+    for (const std::string mp : {"none", "bf16", "fp16"}) {
+      out.push_back({s + "_" + mp, launch + " --strategy " + s + " --mixed-precision " + mp});
+    }
+  }
+  out.push_back({"full_shard_local_kind", "--nproc-per-node 2 --checkpoint-kind local"});
+  out.push_back({"full_shard_full_kind", "--nproc-per-node 2 --checkpoint-kind full"});
+  out.push_back({"full_shard_async", "--nproc-per-node 2 --async-save"});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, ResumeIsBitExact, testing::ValuesIn(resume_cases()),
+                         [](const testing::TestParamInfo<ResumeCase>& i) { return i.param.name; });
+
+// Saved at W = 4 full_shard, resumed at W = 1, 2, 3 and hybrid F = 2: the losses follow the
+// uninterrupted W = 4 run within 1e-5 (only the order of summation differs).
+TEST(Checkpoint, ReshardsOntoOtherWorldSizesAndStrategies) {
+  for (const std::string kind : {"sharded", "full"}) {
+    const std::string dir = fresh_dir("reshard-" + kind);
+    const std::string common = "--global-batch-size 12 --steps 20 --checkpoint-kind " + kind;
+    const auto whole = train(dir, "w4", common + " --nproc-per-node 4 --save-every 10 --save-dir " + dir + "/w4");
+    ASSERT_EQ(whole.run.exit_code, 0) << whole.run.output;
+    const auto a = whole.losses();
+    for (const std::string target : {"--nproc-per-node 2", "--nproc-per-node 1", "--nproc-per-node 3",
+                                     "--nproc-per-node 4 --strategy hybrid_shard --shard-size 2",
+                                     "--nproc-per-node 2 --strategy no_shard"}) {
+      const auto r = train(dir, "target", common + " " + target + " --resume " + step_dir(dir + "/w4", 10));
+      ASSERT_EQ(r.run.exit_code, 0) << kind << " " << target << "\n" << r.run.output;
+      int compared = 0;
+      for (const auto& [key, loss] : r.losses()) {
+        if (key.second != 0) continue;
+        ASSERT_GE(key.first, 10);
+        EXPECT_NEAR(loss, a.at({key.first, 0}), 1e-5) << kind << " " << target << " step " << key.first;
+        ++compared;
+      }
+      EXPECT_EQ(compared, 10) << kind << " " << target;
+      std::remove((dir + "/target.jsonl").c_str());
+    }
+    fsdp_test::sh("rm -rf " + dir);
+  }
+}
+
+// A LOCAL checkpoint holds raw shards: another layout is refused with the reason and the way out.
+TEST(Checkpoint, LocalCheckpointRefusesAnotherLayout) {
+  const std::string dir = fresh_dir("local-layout");
+  ASSERT_EQ(train(dir, "save", "--nproc-per-node 2 --steps 2 --checkpoint-kind local --save-dir " + dir + "/c").run.exit_code, 0);
+  const auto r = train(dir, "load", "--nproc-per-node 1 --steps 3 --resume " + dir + "/c");
+  EXPECT_NE(r.run.exit_code, 0);
+  EXPECT_NE(r.run.output.find("LOCAL checkpoints load only into the same layout"), std::string::npos) << r.run.output;
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// A rank killed in the middle of a save (a deterministic point: after the first tensor of its
+// first file in its second save) fails the job with an error, leaves the previous checkpoint
+// complete and loadable, and the half-written one invisible to --resume.
+TEST(Checkpoint, RankKilledDuringSaveLeavesThePreviousCheckpoint) {
+  const std::string dir = fresh_dir("killed");
+  const auto r = train(dir, "killed", "--nproc-per-node 2 --steps 10 --save-every 5 --save-dir " + dir + "/c",
+                       "FSDP_TEST_KILL_RANK_IN_SAVE=1:2");
+  EXPECT_NE(r.run.exit_code, 0) << r.run.output;
+  EXPECT_NE(r.run.output.find("kills itself"), std::string::npos) << r.run.output;
+  EXPECT_NE(r.run.output.find("rank 1"), std::string::npos) << r.run.output;
+  const auto listing = fsdp_test::sh("ls -a " + dir + "/c");
+  EXPECT_NE(listing.output.find("\nstep-00000005"), std::string::npos) << listing.output;
+  EXPECT_EQ(listing.output.find("\nstep-00000010"), std::string::npos) << listing.output;
+  const auto resumed = train(dir, "resumed", "--nproc-per-node 2 --steps 10 --resume " + dir + "/c");
+  ASSERT_EQ(resumed.run.exit_code, 0) << resumed.run.output;
+  EXPECT_NE(resumed.run.output.find("resumed from " + step_dir(dir + "/c", 5)), std::string::npos) << resumed.run.output;
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// Damaged checkpoints are refused with the file and the problem named, and nothing is loaded.
+TEST(Checkpoint, DamageIsNamedAndTheGoodCopyStillLoads) {
+  const std::string dir = fresh_dir("damage");
+  ASSERT_EQ(train(dir, "save", "--nproc-per-node 2 --steps 3 --save-dir " + dir + "/good").run.exit_code, 0);
+  const std::string good = step_dir(dir + "/good", 3);
+  const std::string file = "model/rank-00001-of-00002.safetensors";
+  // Each damage is done to a copy of the good checkpoint, here in C++ (no shell quoting).
+  auto flip_byte = [](const std::string& path) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-7, std::ios::end);
+    const char b = static_cast<char>(f.get() ^ 0x5a);
+    f.seekp(-7, std::ios::end);
+    f.put(b);
+  };
+  struct Damage {
+    std::string name, shell, expect;
+    bool flip = false;
+  };
+  const std::vector<Damage> damages = {
+      {"truncated", "truncate -s -100 X/" + file, "bytes, the manifest says"},
+      {"flipped", "true", "is corrupt", true},
+      {"missing", "rm X/" + file, "is missing"},
+      {"no_manifest", "rm X/manifest.json", "no manifest.json"},
+      {"bad_manifest", "echo \"{ not json\" > X/manifest.json", "not valid JSON"},
+  };
+  for (const auto& d : damages) {
+    const std::string copy = dir + "/" + d.name;
+    std::string how = d.shell;
+    for (size_t p; (p = how.find("X/")) != std::string::npos;) how.replace(p, 1, copy);
+    ASSERT_EQ(fsdp_test::sh("cp -r " + good + " " + copy + " && " + how).exit_code, 0) << d.name;
+    if (d.flip) flip_byte(copy + "/" + file);
+    const auto r = train(dir, d.name, "--nproc-per-node 2 --steps 5 --resume " + copy);
+    EXPECT_NE(r.run.exit_code, 0) << d.name;
+    EXPECT_NE(r.run.output.find(d.expect), std::string::npos) << d.name << ":\n" << r.run.output;
+    if (d.name != "no_manifest" && d.name != "bad_manifest") {
+      EXPECT_NE(r.run.output.find(copy + "/" + file), std::string::npos) << d.name << " must name the file:\n" << r.run.output;
+    }
+  }
+  // A checkpoint of another model.
+  const auto other = train(dir, "other", "--nproc-per-node 2 --steps 5 --model small --resume " + good);
+  EXPECT_NE(other.run.exit_code, 0);
+  EXPECT_NE(other.run.output.find("not a state of this model"), std::string::npos) << other.run.output;
+  // The good one still loads.
+  const auto ok = train(dir, "ok", "--nproc-per-node 2 --steps 5 --resume " + good);
+  EXPECT_EQ(ok.run.exit_code, 0) << ok.run.output;
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// keep-last keeps the newest K, and an asynchronous save is committed before the job ends.
+TEST(Checkpoint, KeepLastKeepsTheNewest) {
+  const std::string dir = fresh_dir("keep");
+  const auto r = train(dir, "keep", "--nproc-per-node 2 --steps 8 --save-every 2 --keep-last 2 --async-save --save-dir " + dir + "/c");
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  const auto listing = fsdp_test::sh("ls " + dir + "/c");
+  EXPECT_EQ(listing.output, "step-00000006\nstep-00000008\n");
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// A FULL save gathers one unit at a time: rank 0's live tensor bytes grow by about one unit
+// (its gathered flat tensor and the shard copy it gathers from), not by the model.
+TEST(Checkpoint, FullSaveHoldsOneUnitBeyondTheShards) {
+  const std::string dir = fresh_dir("fullmem");
+  const auto r = train(dir, "full", "--model medium --global-batch-size 2 --block-size 64 --nproc-per-node 2 --steps 1 "
+                       "--checkpoint-kind full --save-dir " + dir + "/c");
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  int checked = 0;
+  for (const auto& row : r.rows) {
+    if (!row.contains("checkpoint_memory")) continue;
+    const json& m = row["checkpoint_memory"];
+    const double unit = m["largest_unit_bytes"].get<double>(), increase = m["peak_increase_bytes"].get<double>();
+    // Gathered unit (padded) + the shard it is gathered from (half a unit at W = 2) + headers.
+    EXPECT_LE(increase, 1.5 * unit + (1 << 20)) << "rank " << row["rank"] << ": the save held " << increase / 1e6
+                                                << " MB above the shards; one unit is " << unit / 1e6 << " MB";
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2);
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// ---- Python, both ways (the project's Python environment: torch 2.11 and safetensors).
+
+std::string python() { return FSDP_PYTHON; }
+std::string interop() { return python() + " " + std::string(FSDP_SOURCE_DIR) + "/tests/python/checkpoint_interop.py "; }
+
+json last_json_line(const std::string& output) {
+  const size_t end = output.find_last_not_of("\n");
+  const size_t start = output.rfind('\n', end);
+  return json::parse(output.substr(start == std::string::npos ? 0 : start + 1, end - (start == std::string::npos ? 0 : start + 1) + 1));
+}
+
+// (a) A FULL checkpoint loads with safetensors.torch.load_file into the Python GPT port, and its
+// loss on the next batch equals the one fsdp-train logged for that step.
+TEST(CheckpointPython, FullCheckpointLoadsIntoThePythonModel) {
+  const std::string dir = fresh_dir("py-full");
+  ASSERT_EQ(fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train " + kTrain + "--model tiny --steps 11 --export-init " + dir + "/init").exit_code, 0);
+  const auto r = train(dir, "run", "--nproc-per-node 2 --steps 11 --save-every 10 --checkpoint-kind full --save-dir " + dir + "/c");
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  const auto py = fsdp_test::sh(interop() + "full-loss --checkpoint " + step_dir(dir + "/c", 10) + " --export-dir " + dir +
+                                "/init --step 10");
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  const double ours = r.losses().at({10, 0}), theirs = last_json_line(py.output)["loss"].get<double>();
+  // Ours is the mean of the ranks' means (equal halves), Python's the whole batch's: float32 sums.
+  EXPECT_NEAR(theirs, ours, 1e-5 * std::abs(ours));
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// (b) A SHARDED checkpoint saved at W = 4 loads in one Python process with
+// torch.distributed.checkpoint's Hugging Face reader into plain tensors equal, bit for bit, to the
+// FULL checkpoint of the same training state.
+TEST(CheckpointPython, ShardedCheckpointLoadsWithTorchDistributedCheckpoint) {
+  const std::string dir = fresh_dir("py-dcp");
+  for (const std::string kind : {"sharded", "full"}) {
+    const auto r = train(dir, kind, "--nproc-per-node 4 --steps 4 --checkpoint-kind " + kind + " --save-dir " + dir + "/" + kind);
+    ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  }
+  const auto py = fsdp_test::sh(interop() + "dcp-load --sharded " + step_dir(dir + "/sharded", 4) + " --full " +
+                                step_dir(dir + "/full", 4));
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  const json res = last_json_line(py.output);
+  EXPECT_TRUE(res["differ"].empty()) << res.dump();
+  EXPECT_GT(res["checked"].get<int>(), 3 * res["params"].get<int>() - 1) << "model and both Adam moments: " << res.dump();
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// (c) Python's state dicts load into the C++ model under fsdp: safetensors and torch.save of a
+// dict exactly; torch.save of model.state_dict() (an OrderedDict libtorch cannot read) is refused
+// with how to re-save it.
+TEST(CheckpointPython, PythonStateDictsLoadIntoTheShardedModel) {
+  const std::string dir = fresh_dir("py-save");
+  ASSERT_EQ(fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train " + kTrain + "--model tiny --steps 1 --export-init " + dir + "/init").exit_code, 0);
+  const auto saved = fsdp_test::sh(interop() + "save --export-dir " + dir + "/init --out " + dir + "/py");
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  for (const std::string f : {"model.safetensors", "model_dict.pt"}) {
+    const std::string out = dir + "/out-" + f + ".safetensors";
+    const auto r = train(dir, "load", "--nproc-per-node 2 --steps 0 --load-weights " + dir + "/py/" + f + " --export-full " + out);
+    ASSERT_EQ(r.run.exit_code, 0) << f << "\n" << r.run.output;
+    const auto cmp = fsdp_test::sh(interop() + "compare --a " + dir + "/py/reference.safetensors --b " + out);
+    ASSERT_EQ(cmp.exit_code, 0) << cmp.output;
+    const json res = last_json_line(cmp.output);
+    EXPECT_TRUE(res["differ"].empty()) << f << ": " << res.dump();
+    EXPECT_GT(res["compared"].get<int>(), 10);
+  }
+  const auto ordered = train(dir, "ordered", "--nproc-per-node 2 --steps 0 --load-weights " + dir + "/py/model_ordered.pt");
+  EXPECT_NE(ordered.run.exit_code, 0);
+  EXPECT_NE(ordered.run.output.find("torch.save(dict(model.state_dict()), path)"), std::string::npos) << ordered.run.output;
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+}  // namespace
