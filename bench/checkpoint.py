@@ -9,9 +9,8 @@ For each model, with full_shard over W ranks on CPU (Gloo), the median over --re
   fsdp  save, sharded, asynchronous the stall only: the copy to host memory. The write itself runs
                                     on a background thread and is NOT in this number
   fsdp  save, full                  rank 0 gathers the whole model and writes one file
-  fsdp  load, sharded               wall time of `fsdp-train --resume CKPT --steps K` (K = the
-                                    checkpoint's step, so no training step runs) minus that of the
-                                    same run without --resume and with --steps 0
+  fsdp  load, sharded               load_checkpoint's time as `fsdp-train --resume CKPT --steps K`
+                                    reports it (K = the checkpoint's step, so no step runs)
   DCP   dcp.save                    get_state_dict + dcp.save with the default FileSystemWriter
   DCP   dcp.async_save              get_state_dict + dcp.async_save until it returns
   DCP   dcp.load                    get_state_dict + dcp.load + set_state_dict
@@ -28,6 +27,7 @@ measurement ran, 2 when one failed (its error and output tail are printed; the r
 
 import argparse
 import json
+import re
 import os
 import shlex
 import shutil
@@ -146,7 +146,6 @@ def measure_fsdp(args, model, mdir, commands):
                 ("full", ["--checkpoint-kind", "full"])]
     res = {k: {"s": [], "bytes": []} for k in ("sync", "async", "full", "load")}
     res["async_waiting"] = []  # async stalls of later saves, which wait for the previous write
-    res["load_walls"] = {"resume": [], "base": []}  # the two runs whose difference is the load
     res["params"] = None
     for r in range(args.repeats):
         # The variants alternate within a repeat, so that a slow spell of the machine hits all.
@@ -185,32 +184,25 @@ def measure_fsdp(args, model, mdir, commands):
 
 
 def measure_fsdp_load(args, common, ckpt, res, commands, save_dir, model, r):
-    """The load time of ckpt: a resumed run minus the same run without the checkpoint. Both build
-    the model, spawn the ranks and set up the process groups; only the resumed one reads the
-    checkpoint, so the difference is the load (read, checks, copy into the shards and the
-    optimizer). The two alternate so that they see the same machine; --load-pairs pairs, and the
-    difference of their medians, because a whole run varies by tenths of a second on a busy machine
-    while a small model's load takes less."""
-    base = common + ["--steps", "0"]
+    """The load time of ckpt as fsdp-train reports it: load_checkpoint on rank 0, from the call to
+    its return (read the manifest, check sizes and checksums, read this rank's pieces, agree across
+    ranks, copy into the shards and the optimizer). The ranks agree before returning, so rank 0's
+    time is the slowest rank's. Like DCP's row below: the model is built before, and timed apart."""
     resume = common + ["--steps", str(args.steps), "--resume", ckpt]
     if commands is not None:
-        commands += [shlex.join(base), shlex.join(resume)]
-    bases, resumes = [], []
+        commands.append(shlex.join(resume))
+    times = []
     for _ in range(args.load_pairs):
-        bases.append(run_fsdp_train(base, save_dir + ".base.log", args.timeout)[0])
-        t, out = run_fsdp_train(resume, save_dir + ".resume.log", args.timeout)
-        resumes.append(t)
+        _, out = run_fsdp_train(resume, save_dir + ".resume.log", args.timeout)
+        m = re.search(r"resumed from (\S+) at step (\d+) \(loaded in (\d+) ms\)", out)
         # A resume that silently started from scratch would look like an instant load.
-        if f"resumed from {ckpt} at step {args.steps}" not in out:
+        if not m or m.group(1) != ckpt or int(m.group(2)) != args.steps:
             raise RunFailed(f"fsdp-train --resume {ckpt} did not report resuming at step {args.steps}",
                             output_tail(out))
-    t_base, t_resume = median(bases), median(resumes)
-    res["load"]["s"].append(t_resume - t_base)
-    res["load_walls"]["resume"].append(t_resume)
-    res["load_walls"]["base"].append(t_base)
+        times.append(int(m.group(3)) / 1000.0)
+    res["load"]["s"].append(median(times))
     res["load"]["bytes"].append(folder_bytes(ckpt))
-    log(f"  {model} run {r + 1}: fsdp load  {t_resume:.2f} s with --resume - {t_base:.2f} s without "
-        f"= {t_resume - t_base:.3f} s (medians of {args.load_pairs})")
+    log(f"  {model} run {r + 1}: fsdp load {median(times):.3f} s (median of {args.load_pairs})")
 
 
 def parse_params(out):
@@ -429,14 +421,8 @@ def report(args, results, failures, commands, command_line, t_total):
                            f["async"]["s"], f["async"]["bytes"], len(f["async"]["s"]), rate=False))
             out.append(row(name, FSDP, "save, full (rank 0 gathers, writes one file; stall)", f["full"]["s"],
                            f["full"]["bytes"], len(f["full"]["s"])))
-            out.append(row(name, FSDP, "load, sharded (wall with --resume − wall with --steps 0)", f["load"]["s"],
+            out.append(row(name, FSDP, "load, sharded (load_checkpoint, as fsdp-train reports it)", f["load"]["s"],
                            f["load"]["bytes"], len(f["load"]["s"])))
-            walls = f["load_walls"]
-            notes.append(f"{model}: fsdp load = median over repeats of (median wall with --resume − median wall without, "
-                         f"{args.load_pairs} run(s) each); the runs took {median(walls['resume']):.2f} s "
-                         f"with --resume and {median(walls['base']):.2f} s without (medians)"
-                         + ("; the difference is below the noise of two process runs, so no load rate or ratio is given."
-                            if median(f["load"]["s"]) <= 0 else "."))
             if f["async_waiting"]:
                 notes.append(f"{model}: fsdp asynchronous saves after the first of a run stalled {median(f['async_waiting']):.3f} s "
                              f"(median of {len(f['async_waiting'])}): save() first waits for the previous background "
@@ -489,7 +475,7 @@ def parse_args():
                    help="sequence length (also sizes the position embedding, on both sides alike)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--load-pairs", type=int, default=2,
-                   help="fsdp load: runs with and without --resume per repeat (their medians' difference)")
+                   help="fsdp load: resumed runs per repeat (their median)")
     p.add_argument("--fsdp-train", default=os.path.join(REPO, "build", "bin", "fsdp-train"))
     p.add_argument("--workdir", default="", help="folder for checkpoints and logs (default: a fresh one under /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints, exports and the work folder")

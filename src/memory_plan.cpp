@@ -75,6 +75,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     plan.peak_unsharded_params = all_unsharded;
   }
   plan.activations = options.memory_budget.activation_bytes;
+  if (options.memory_budget.async_checkpoint) plan.checkpoint_copy = plan.sharded_params + plan.adam_state;
   plan.backward_units = std::max<int>(1, static_cast<int>(nonroot_bytes.size()));
   plan.unit_grads = largest_compute_bytes;
   plan.reduce_buffer = largest_reduce_bytes;
@@ -139,6 +140,9 @@ std::string format_plans(const std::vector<MemoryPlan>& plans) {
   row("sharded parameters", &MemoryPlan::sharded_params);
   row("sharded gradients", &MemoryPlan::sharded_grads);
   row("Adam state (fp32 exp_avg, exp_avg_sq)", &MemoryPlan::adam_state);
+  if (std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.checkpoint_copy > 0; })) {
+    row("asynchronous checkpoint copy", &MemoryPlan::checkpoint_copy);
+  }
   row("peak gathered parameters", &MemoryPlan::peak_unsharded_params);
   row("peak unsharded gradients + reduce buffers", &MemoryPlan::peak_unsharded_grads);
   const bool with_activations = std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.activations > 0; });

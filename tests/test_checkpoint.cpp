@@ -253,13 +253,30 @@ TEST(Checkpoint, FullSaveHoldsOneUnitBeyondTheShards) {
     if (!row.contains("checkpoint_memory")) continue;
     const json& m = row["checkpoint_memory"];
     const double unit = m["largest_unit_bytes"].get<double>(), increase = m["peak_increase_bytes"].get<double>();
-    // Gathered unit (padded) + the shard it is gathered from (half a unit at W = 2) + headers.
-    EXPECT_LE(increase, 1.5 * unit + (1 << 20)) << "rank " << row["rank"] << ": the save held " << increase / 1e6
-                                                << " MB above the shards; one unit is " << unit / 1e6 << " MB";
+    // Rank 0 receives each shard straight into the unit's buffer: one unit. The other rank sends a
+    // copy of its shard: half a unit at W = 2. (Measured: 12.6 and 6.3 MB for 12.6 MB units.)
+    const double bound = row["rank"].get<int>() == 0 ? unit : unit / 2;
+    EXPECT_LE(increase, 1.02 * bound + (256 << 10)) << "rank " << row["rank"] << ": the save held " << increase / 1e6
+                                                    << " MB above the shards; one unit is " << unit / 1e6 << " MB";
     ++checked;
   }
   EXPECT_EQ(checked, 2);
   fsdp_test::sh("rm -rf " + dir);
+}
+
+// Every optimizer adapter through a save and a load into other weights and another learning rate:
+// the next steps' losses are bitwise those of the run that saved. Others are refused clearly.
+TEST(Checkpoint, EveryOptimizerAdapterRoundTrips) {
+  for (const std::string opt : {"sgd", "adam", "adamw", "rmsprop", "adagrad"}) {
+    const std::string dir = fsdp_test::temp_prefix("checkpoint") + "-ckpt-" + opt;
+    for (const auto& r : fsdp_test::expect_ranks("checkpoint", 2, "--strategy full_shard --variants " + opt)) {
+      EXPECT_EQ(r["resumed_step"], 3) << opt;
+      EXPECT_EQ(r["losses_a"], r["losses_b"]) << opt << " rank " << r["rank"];
+      EXPECT_NE(r["unsupported"].get<std::string>().find("SGD, Adam, AdamW, RMSprop and Adagrad"), std::string::npos)
+          << r["unsupported"];
+    }
+    fsdp_test::sh("rm -rf " + dir);
+  }
 }
 
 // ---- Python, both ways (the project's Python environment: torch 2.11 and safetensors).

@@ -106,6 +106,7 @@ fsdp::Options fsdp_options(const Config& c) {
     opts.mixed_precision = fsdp::MixedPrecision{dtype, dtype, dtype, false};
   }
   opts.memory_budget.max_bytes_per_rank = parse_memory_size(c.max_memory);
+  opts.memory_budget.async_checkpoint = c.async_save && c.device == "cpu";
   return opts;
 }
 

@@ -40,6 +40,9 @@ struct MemoryPlan {
   int64_t peak_unsharded_params = 0;
   int64_t peak_unsharded_grads = 0;
   int64_t activations = 0;  // the caller's estimate (Options::memory_budget.activation_bytes)
+  // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the
+  // next step (Options::memory_budget.async_checkpoint).
+  int64_t checkpoint_copy = 0;
   // What backward's peak is made of (backward_peak()): the units backward walks through, the
   // largest unit's unsharded gradients in the compute dtype and its reduce buffer, the root's
   // gradients (they stay until the end of backward), how many copies of a reduce buffer a
@@ -57,7 +60,9 @@ struct MemoryPlan {
   // activations are gone and its reduce buffer is there. The largest such sum.
   int64_t backward_peak() const;
   // The peak per rank: the state, the gathered units and backward's peak.
-  int64_t total() const { return sharded_params + sharded_grads + adam_state + peak_unsharded_params + backward_peak(); }
+  int64_t total() const {
+    return sharded_params + sharded_grads + adam_state + checkpoint_copy + peak_unsharded_params + backward_peak();
+  }
 };
 
 // `local_world_size` is the ranks per node (F for the hybrid strategies without a shard size).

@@ -15,7 +15,7 @@ const std::map<std::string, Mode>& modes() {
       {"overlap", run_overlap},     {"dynamic", run_dynamic},       {"precision", run_precision},
       {"scaler", run_scaler},       {"sync", run_sync},             {"deferred", run_deferred},
       {"fuzz", run_fuzz},           {"fault", run_fault},           {"misuse", run_misuse},
-      {"summon", run_summon},
+      {"summon", run_summon},       {"checkpoint", run_checkpoint},
   };
   return table;
 }
