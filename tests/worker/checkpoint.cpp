@@ -34,7 +34,7 @@ json run_checkpoint(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     auto loss = gpt_loss([&](const torch::Tensor& x) { return model.forward(x); }, s, rank * per, rank * per + per);
     loss.backward();
     optim.step();
-    return loss.item<double>();
+    return loss.item().toDouble();
   };
   json out{{"rank", rank}};
   {
