@@ -6,7 +6,7 @@
 // collectives on its thread never interleave with training's):
 //   PREPARE  rank 0 sweeps what killed saves left (.tmp-*) and creates .tmp-step-N/{model,optim}
 //   WRITE    each rank writes and fsyncs its files (FULL: rank 0, gathering one unit at a time)
-//   GATHER   every rank's part (pieces, files with sizes and CRC-32, RNG state, error if any)
+//   GATHER   every rank's part (pieces, files with sizes and CRC-32C, RNG state, error if any)
 //            reaches rank 0
 //   COMMIT   rank 0 writes and fsyncs manifest.json, renames .tmp-step-N to step-N and syncs the
 //            folder; only then is the checkpoint visible; then keep-last deletes the oldest
@@ -14,13 +14,11 @@
 // A rank that dies before COMMIT leaves only a .tmp folder: the previous checkpoints are untouched.
 #include "fsdp/checkpoint.h"
 
-#include <dirent.h>
-#include <sys/stat.h>
 
 #include <atomic>
 #include <cstdio>
 #include <fstream>
-#include <future>
+#include <map>
 #include <thread>
 
 #include <ATen/Context.h>
@@ -101,10 +99,7 @@ void agree(const GroupPtr& group, const std::string& mine, const std::string& wh
   const auto all = all_gather_strings(group, mine);
   for (size_t r = 0; r < all.size(); ++r) {
     if (!all[r].empty()) {
-      throw std::runtime_error("fsdp: " + what + " failed on rank " + std::to_string(r) + ": " + all[r] +
-                               (all.size() > 1 && r != static_cast<size_t>(group->getRank()) && mine.empty()
-                                    ? " (this rank's part succeeded; nothing was changed here either)"
-                                    : ""));
+      throw std::runtime_error("fsdp: " + what + " failed on rank " + std::to_string(r) + ": " + all[r]);
     }
   }
 }
@@ -201,6 +196,9 @@ struct Checkpointer::Impl {
   GroupPtr group;  // this checkpointer's own: its collectives may run on the save thread
   std::thread writer;
   std::string error;  // the last asynchronous save's, until wait() reports it
+  // Asynchronous saves' host copy, one buffer per dtype, kept from save to save: the next save
+  // waits for the previous write, so it can reuse the memory (already faulted in) at once.
+  std::map<c10::ScalarType, at::Tensor> staging;
 
   // The steps after the files are written: gather the parts, commit on rank 0, agree.
   void commit(const std::string& dir, const std::string& tmp, nlohmann::json manifest, const nlohmann::json& part) {
@@ -281,6 +279,9 @@ Checkpointer::Checkpointer(std::shared_ptr<Mesh> mesh, std::string dir, Checkpoi
 
 Checkpointer::~Checkpointer() {
   if (impl_->writer.joinable()) impl_->writer.join();
+  // A destructor cannot throw: an asynchronous save that failed and was never waited for is at
+  // least reported (wait() before the end of training reports it as an exception).
+  if (!impl_->error.empty()) std::fprintf(stderr, "%s\n", impl_->error.c_str());
 }
 
 void Checkpointer::wait() {
@@ -339,10 +340,38 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
     return final_path;
   }
   // Asynchronous: copy this rank's state to host memory now (the stall), write it on a thread.
+  // Each element once, into the staging buffers: LOCAL copies whole flat shards (the parameters'
+  // pieces become views of those copies), SHARDED copies the pieces.
   {
     at::NoGradGuard no_grad;
-    for (auto& piece : rs.pieces) piece.local = piece.local.to(c10::kCPU, /*non_blocking=*/false, /*copy=*/true);
-    for (auto& shard : rs.unit_shards) shard = shard.to(c10::kCPU, false, true);
+    const bool local = kind == StateDictKind::LOCAL;
+    auto is_shard_view = [&](const StatePiece& p) { return local && p.folder == "model" && p.unit >= 0; };
+    std::vector<at::Tensor*> sources;
+    if (local) {
+      for (auto& shard : rs.unit_shards) sources.push_back(&shard);
+    } else {
+      rs.unit_shards.clear();
+    }
+    for (auto& piece : rs.pieces) {
+      if (!is_shard_view(piece)) sources.push_back(&piece.local);
+    }
+    std::map<c10::ScalarType, int64_t> need;
+    for (const at::Tensor* t : sources) need[t->scalar_type()] += t->numel();
+    for (const auto& [dtype, n] : need) {
+      at::Tensor& buf = impl_->staging[dtype];
+      if (!buf.defined() || buf.numel() != n) buf = at::empty({n}, at::TensorOptions().dtype(dtype));
+    }
+    std::map<c10::ScalarType, int64_t> at;
+    for (at::Tensor* t : sources) {
+      int64_t& offset = at[t->scalar_type()];
+      at::Tensor dst = impl_->staging[t->scalar_type()].narrow(0, offset, t->numel());
+      dst.copy_(t->reshape({-1}));
+      offset += t->numel();
+      *t = dst;
+    }
+    for (auto& piece : rs.pieces) {
+      if (is_shard_view(piece)) piece.local = rs.unit_shards[piece.unit].narrow(0, piece.shard_offset, piece.local.numel());
+    }
   }
   const nlohmann::json rng = rng_state();
   impl_->writer = std::thread([this, rs = std::move(rs), manifest = std::move(manifest), kind, writes, rng,
@@ -428,9 +457,13 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
   const std::string err = error_of([&] {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw std::runtime_error("fsdp: cannot open " + path);
-    std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    // A torch.save file is a zip archive ("PK"); anything else is read as safetensors.
-    if (data.size() >= 2 && data[0] == 'P' && data[1] == 'K') {
+    char magic[2] = {0, 0};
+    in.read(magic, 2);
+    // A torch.save file is a zip archive ("PK"), read whole by the unpickler; anything else is
+    // read as safetensors, each rank only the elements it holds.
+    if (in.gcount() == 2 && magic[0] == 'P' && magic[1] == 'K') {
+      in.seekg(0);
+      std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       c10::IValue value;
       try {
         value = torch::pickle_load(data);
@@ -451,7 +484,6 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
       }
       stage_model(root, saved_from_memory(path, tensors), staged);
     } else {
-      data = {};
       stage_model(root, saved_from_safetensors(path), staged);
     }
   });

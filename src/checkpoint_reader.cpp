@@ -326,9 +326,10 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
         for (const std::string& key : adapter->tensor_keys()) {
           const std::string name = "state." + fqn + "." + key;
           if (!saved.pieces.count(name)) continue;
-          at::Tensor t = at::empty({sl.length}, param.options());
+          // Read on the CPU (pread), then moved to the parameter's device.
+          at::Tensor t = at::empty({sl.length}, param.options().device(c10::kCPU));
           reader.read(name, sl.param_begin, t);
-          st.tensors[key] = t.view(param.sizes());
+          st.tensors[key] = t.view(param.sizes()).to(param.device());
         }
       }
       out.optimizer_states.emplace_back(param, std::move(st));
@@ -351,11 +352,11 @@ void verify_files(const std::string& folder, const nlohmann::json& manifest, int
                                " bytes, the manifest says " + std::to_string(bytes) + " (truncated or replaced)");
     }
     if (index % world_size != rank) continue;
-    const uint32_t crc = SafetensorsFile(path).crc32();
-    const uint32_t want = (*it)["crc32"].get<uint32_t>();
+    const uint32_t crc = SafetensorsFile(path).crc32c();
+    const uint32_t want = (*it)["crc32c"].get<uint32_t>();
     if (crc != want) {
       std::ostringstream msg;
-      msg << "fsdp: checkpoint file " << path << " is corrupt: its CRC-32 is " << crc << ", the manifest says " << want
+      msg << "fsdp: checkpoint file " << path << " is corrupt: its CRC-32C is " << crc << ", the manifest says " << want
           << " (a changed byte; restore the file from a copy or load an earlier checkpoint)";
       throw std::runtime_error(msg.str());
     }

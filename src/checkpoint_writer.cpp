@@ -43,7 +43,7 @@ void write_file(const std::string& root_folder, const std::string& rel, std::vec
     part["pieces"][tensors[i].entry.name].push_back(piece);
   }
   const uint32_t crc = w.finish();
-  part["files"][rel] = {{"bytes", w.bytes_written()}, {"crc32", crc}};
+  part["files"][rel] = {{"bytes", w.bytes_written()}, {"crc32c", crc}};
 }
 
 nlohmann::json piece_json(const std::string& key, int64_t begin, int64_t end, int64_t at) {
@@ -200,7 +200,7 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
     part["pieces"][b->key].push_back(piece);
   }
   const uint32_t crc = w->finish();
-  part["files"][rel] = {{"bytes", w->bytes_written()}, {"crc32", crc}};
+  part["files"][rel] = {{"bytes", w->bytes_written()}, {"crc32c", crc}};
 }
 
 }  // namespace
@@ -263,7 +263,7 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
   }
   if (writer) {
     const uint32_t crc = w->finish();
-    part["files"][rel] = {{"bytes", w->bytes_written()}, {"crc32", crc}};
+    part["files"][rel] = {{"bytes", w->bytes_written()}, {"crc32c", crc}};
   }
   return part;
 }

@@ -19,8 +19,9 @@
 
 namespace fsdp {
 
-// CRC-32 (the polynomial of zlib, PNG and Python's zlib.crc32), continued from `crc`.
-uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes);
+// CRC-32C (Castagnoli: iSCSI, ext4; Python's `crc32c` and `google-crc32c` packages), continued
+// from `crc` (0 to start).
+uint32_t crc32c_update(uint32_t crc, const void* data, size_t bytes);
 
 // "F32", "BF16", ... for the dtypes safetensors names; throws for others.
 std::string safetensors_dtype(c10::ScalarType dtype);
@@ -46,7 +47,7 @@ class SafetensorsWriter {
   // The next entry's data, in order (`data` is contiguous with that entry's dtype and numel; its
   // shape may differ, e.g. a 1-D slice of a parameter).
   void write_next(const at::Tensor& data);
-  // Every entry written: flush, fsync, close. Returns the CRC-32 of the whole file.
+  // Every entry written: flush, fsync, close. Returns the CRC-32C of the whole file.
   uint32_t finish();
   int64_t bytes_written() const { return offset_; }
   const std::string& path() const { return path_; }
@@ -78,8 +79,8 @@ class SafetensorsFile {
   // Elements [first, first + out.numel()) of `entry` (flattened) into `out` (contiguous, the
   // entry's dtype).
   void read(const SafetensorsEntry& entry, int64_t first, at::Tensor& out) const;
-  // The CRC-32 of the whole file, reading it through once.
-  uint32_t crc32() const;
+  // The CRC-32C of the whole file, reading it through once.
+  uint32_t crc32c() const;
   int64_t file_bytes() const { return file_bytes_; }
 
  private:
