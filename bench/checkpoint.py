@@ -447,9 +447,10 @@ def report(args, results, failures, commands, command_line, t_total):
     if ratios:
         out += ["", "fsdp / PyTorch, median seconds (< 1: fsdp is faster):", ""] + ratios
     out += ["", "Notes:", ""] + [f"- {n}" for n in notes] + [
-        "- fsdp's times come from fsdp-train (checkpoint_stall_ms, the slowest rank per save; the load from the "
-        "wall times of two whole runs, so it carries their noise). DCP's are taken in-process around the calls, "
-        "the slowest rank's. Both read back checkpoints just written, i.e. mostly from the page cache.",
+        "- fsdp's times come from fsdp-train (checkpoint_stall_ms, the slowest rank per save; the load as "
+        "load_checkpoint's time on rank 0, which ends when every rank has loaded). DCP's are taken in-process "
+        "around the calls, the slowest rank's. Both read back checkpoints just written, i.e. mostly from the page "
+        "cache.",
         "", "Commands (first repeat; paths are under the work folder):", "", "```bash", command_line]
     out += commands + [f"# PyTorch FSDP2 + DCP: in-process, torch.multiprocessing.spawn of {args.nproc} ranks "
                        f"(bench/checkpoint.py dcp_worker)", "```"]
