@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 # The GPT port, its loss, the loader for libtorch's files and fsdp-train's weight-decay rule come
 # from the training comparison, so that both benchmarks run the very same PyTorch model.
-from vs_pytorch import GPT, REPO, load_pt, lm_loss, no_decay
+from vs_pytorch import GPT, REPO, load_pt, lm_loss, no_decay, this_command_line
 
 MB = 1e6
 FSDP = "fsdp (fsdp-train)"
@@ -498,11 +498,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # The interpreter as ~/... (left unquoted so that a shell expands it), the rest quoted.
-    home = os.path.expanduser("~")
-    python = ("~" + shlex.quote(sys.executable[len(home):]) if sys.executable.startswith(home + "/")
-              else shlex.quote(sys.executable))
-    command_line = python + " " + shlex.join([os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:])
+    command_line = this_command_line(__file__)
     fresh = not args.workdir
     workdir = tempfile.mkdtemp(prefix="bench-checkpoint.", dir="/tmp") if fresh else os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)

@@ -357,13 +357,18 @@ def median_after_warmup(step_ms, warmup):
     return statistics.median(step_ms[warmup:])
 
 
-def main():
-    args = parse_args()
-    # The interpreter as ~/... (left unquoted so that a shell expands it), the rest quoted.
+def this_command_line(script):
+    """How this script was run, to print next to its figures: the interpreter as ~/... (left unquoted
+    so that a shell expands it), the rest quoted."""
     home = os.path.expanduser("~")
     python = ("~" + shlex.quote(sys.executable[len(home):]) if sys.executable.startswith(home + "/")
               else shlex.quote(sys.executable))
-    command = python + " " + shlex.join([os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:])
+    return python + " " + shlex.join([os.path.relpath(os.path.abspath(script), REPO)] + sys.argv[1:])
+
+
+def main():
+    args = parse_args()
+    command = this_command_line(__file__)
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     print(f"vs_pytorch: torch {torch.__version__}, {args.device}, W={args.world_size}, "
           f"{threads} thread(s) per rank, model '{args.model}', {args.steps} steps "

@@ -498,10 +498,7 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedData
   std::vector<std::pair<std::string, at::Tensor>> out;
   gather_units(
       root,
-      [](const Unit& u, size_t i) {
-        const ShardSlice& s = u.handle().slices()[i];
-        return u.handle().shard().narrow(0, s.shard_offset, s.length);
-      },
+      shard_slice,
       [&](const Unit& u, const at::Tensor& full) {
         if (!keep) return;
         for (const auto& e : u.handle().layout().entries()) out.emplace_back(e.fqn, view_of_param(full, e).clone());

@@ -174,10 +174,7 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
   bool first = true;
   gather_units(
       root,
-      [](const Unit& u, size_t i) {
-        const ShardSlice& s = u.handle().slices()[i];
-        return u.handle().shard().narrow(0, s.shard_offset, s.length);
-      },
+      shard_slice,
       [&](const Unit& u, const at::Tensor& full) {
         if (first) {
           first = false;

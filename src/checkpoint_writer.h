@@ -13,7 +13,7 @@
 namespace fsdp {
 
 // What one rank wrote: {"pieces": {key: [{file, key, flat: [b, e], at}]}, "files": {file: {bytes,
-// crc32}}}, file names relative to the checkpoint folder. A piece holds elements [b, e) of the
+// crc32c}}}, file names relative to the checkpoint folder. A piece holds elements [b, e) of the
 // flattened tensor `key`, stored from element `at` of the file's tensor named by the piece's key.
 using WrittenPart = nlohmann::json;
 

@@ -166,6 +166,11 @@ std::vector<Box> boxes_of_range(const std::vector<int64_t>& shape, int64_t begin
   return out;
 }
 
+at::Tensor shard_slice(const Unit& unit, size_t i) {
+  const ShardSlice& s = unit.handle().slices()[i];
+  return unit.handle().shard().narrow(0, s.shard_offset, s.length);
+}
+
 at::Tensor view_of_param(const at::Tensor& unsharded_flat, const FlatParamEntry& entry) {
   return unsharded_flat.narrow(0, entry.offset, entry.numel).view(entry.shape);
 }

@@ -67,6 +67,9 @@ struct Box {
 };
 std::vector<Box> boxes_of_range(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
 
+// This rank's elements of parameter `i` of `unit`: a view of the unit's flat shard.
+at::Tensor shard_slice(const Unit& unit, size_t i);
+
 // The elements of parameter (unit, index) from a unit's unsharded flat tensor, in its shape.
 at::Tensor view_of_param(const at::Tensor& unsharded_flat, const FlatParamEntry& entry);
 
