@@ -2,9 +2,9 @@
 // buffers, its optimizer's state and what resuming needs, keyed by the original parameter names,
 // on disk as a folder of safetensors files and a JSON manifest.
 //
-//   fsdp::Checkpointer ckpt(mesh, "run/checkpoints", {.kind = fsdp::StateDictKind::SHARDED, .keep_last = 3});
+//   fsdp::Checkpointer ckpt(mesh, "run/checkpoints", {fsdp::StateDictKind::SHARDED, /*keep_last=*/3});
 //   if (auto last = ckpt.latest()) start = fsdp::load_checkpoint(*last, model, &optim).step;
-//   for (step = start; ...) { ...; if (step % 100 == 0) ckpt.save(model, &optim, {.step = step + 1}); }
+//   for (step = start; ...) { ...; if (step % 100 == 0) ckpt.save(model, &optim, {step + 1}); }
 //
 // Three kinds, as PyTorch's FSDP offers them:
 //   FULL     every parameter in its original shape in one file, written by rank 0 as it gathers
