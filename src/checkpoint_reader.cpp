@@ -240,8 +240,7 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
       }
       const std::string* name = check(live, e.shape);
       if (!name) continue;
-      const ShardSlice& sl = h.slices()[i];
-      reads.push_back({name, {h.shard().narrow(0, sl.shard_offset, sl.length), sl.param_begin}});
+      reads.push_back({name, {shard_slice(*unit, i), h.slices()[i].param_begin}});
     }
   }
   // A tied weight's other names may also be in the file (Python's state_dict lists every name).

@@ -15,7 +15,7 @@ namespace {
 // One optimizer class: its options and per-parameter state types, and how to read and write
 // each named tensor. `Traits` supplies name, keys, tensor access, step access and the options'
 // fields; the rest is the same for every class.
-template <typename Optim, typename OptionsT, typename StateT, typename Traits>
+template <typename OptionsT, typename StateT, typename Traits>
 class Adapter final : public OptimizerStateAdapter {
  public:
   std::string name() const override { return Traits::kName; }
@@ -61,8 +61,7 @@ class Adapter final : public OptimizerStateAdapter {
   }
 };
 
-template <typename S>
-const at::Tensor& pick(const S& s, const std::string& key, std::initializer_list<std::pair<const char*, const at::Tensor*>> m) {
+const at::Tensor& pick(const std::string& key, std::initializer_list<std::pair<const char*, const at::Tensor*>> m) {
   for (const auto& [k, t] : m) {
     if (key == k) return *t;
   }
@@ -75,7 +74,7 @@ struct AdamTraits {
   static constexpr const char* kName = Name;
   static std::vector<std::string> keys() { return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}; }
   static const at::Tensor& tensor(const StateT& s, const std::string& key) {
-    return pick(s, key, {{"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}, {"max_exp_avg_sq", &s.max_exp_avg_sq()}});
+    return pick(key, {{"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}, {"max_exp_avg_sq", &s.max_exp_avg_sq()}});
   }
   static void set_tensor(StateT& s, const std::string& key, const at::Tensor& t) {
     if (key == "exp_avg") s.exp_avg(t);
@@ -106,7 +105,7 @@ struct SGDTraits {
   using O = torch::optim::SGDOptions;
   static std::vector<std::string> keys() { return {"momentum_buffer"}; }
   static const at::Tensor& tensor(const S& s, const std::string& key) {
-    return pick(s, key, {{"momentum_buffer", &s.momentum_buffer()}});
+    return pick(key, {{"momentum_buffer", &s.momentum_buffer()}});
   }
   static void set_tensor(S& s, const std::string&, const at::Tensor& t) { s.momentum_buffer(t); }
   static int64_t step(const S&) { return 0; }
@@ -130,7 +129,7 @@ struct RMSpropTraits {
   using O = torch::optim::RMSpropOptions;
   static std::vector<std::string> keys() { return {"square_avg", "momentum_buffer", "grad_avg"}; }
   static const at::Tensor& tensor(const S& s, const std::string& key) {
-    return pick(s, key, {{"square_avg", &s.square_avg()}, {"momentum_buffer", &s.momentum_buffer()}, {"grad_avg", &s.grad_avg()}});
+    return pick(key, {{"square_avg", &s.square_avg()}, {"momentum_buffer", &s.momentum_buffer()}, {"grad_avg", &s.grad_avg()}});
   }
   static void set_tensor(S& s, const std::string& key, const at::Tensor& t) {
     if (key == "square_avg") s.square_avg(t);
@@ -158,7 +157,7 @@ struct AdagradTraits {
   using S = torch::optim::AdagradParamState;
   using O = torch::optim::AdagradOptions;
   static std::vector<std::string> keys() { return {"sum"}; }
-  static const at::Tensor& tensor(const S& s, const std::string& key) { return pick(s, key, {{"sum", &s.sum()}}); }
+  static const at::Tensor& tensor(const S& s, const std::string& key) { return pick(key, {{"sum", &s.sum()}}); }
   static void set_tensor(S& s, const std::string&, const at::Tensor& t) { s.sum(t); }
   static int64_t step(const S& s) { return s.step(); }
   static void set_step(S& s, int64_t v) { s.step(v); }
@@ -182,14 +181,14 @@ std::unique_ptr<OptimizerStateAdapter> OptimizerStateAdapter::for_optimizer(torc
   // Exact classes only: a subclass may keep state these adapters do not know.
   const std::type_info& t = typeid(optimizer);
   if (t == typeid(AdamW)) {
-    return std::make_unique<Adapter<AdamW, AdamWOptions, AdamWParamState, AdamTraits<AdamWOptions, AdamWParamState, kAdamW>>>();
+    return std::make_unique<Adapter<AdamWOptions, AdamWParamState, AdamTraits<AdamWOptions, AdamWParamState, kAdamW>>>();
   }
   if (t == typeid(Adam)) {
-    return std::make_unique<Adapter<Adam, AdamOptions, AdamParamState, AdamTraits<AdamOptions, AdamParamState, kAdam>>>();
+    return std::make_unique<Adapter<AdamOptions, AdamParamState, AdamTraits<AdamOptions, AdamParamState, kAdam>>>();
   }
-  if (t == typeid(SGD)) return std::make_unique<Adapter<SGD, SGDOptions, SGDParamState, SGDTraits>>();
-  if (t == typeid(RMSprop)) return std::make_unique<Adapter<RMSprop, RMSpropOptions, RMSpropParamState, RMSpropTraits>>();
-  if (t == typeid(Adagrad)) return std::make_unique<Adapter<Adagrad, AdagradOptions, AdagradParamState, AdagradTraits>>();
+  if (t == typeid(SGD)) return std::make_unique<Adapter<SGDOptions, SGDParamState, SGDTraits>>();
+  if (t == typeid(RMSprop)) return std::make_unique<Adapter<RMSpropOptions, RMSpropParamState, RMSpropTraits>>();
+  if (t == typeid(Adagrad)) return std::make_unique<Adapter<AdagradOptions, AdagradParamState, AdagradTraits>>();
   throw std::invalid_argument(std::string("fsdp: checkpoints support the optimizers SGD, Adam, AdamW, RMSprop and "
                                           "Adagrad of torch::optim; this one (") + t.name() +
                               ") is not supported. Save its state yourself, or checkpoint the model only (pass no "

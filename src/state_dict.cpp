@@ -28,7 +28,7 @@ RankState collect_rank_state(detail::ShardedRoot& root, torch::optim::Optimizer*
       p.shape = entries[i].shape;
       p.dtype = h.dtypes().master;
       p.flat_begin = s.param_begin;
-      p.local = h.shard().narrow(0, s.shard_offset, s.length);
+      p.local = shard_slice(*unit, i);
       p.unit = unit->index();
       p.shard_offset = s.shard_offset;
       out.pieces.push_back(p);
