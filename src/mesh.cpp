@@ -41,6 +41,9 @@ int env_int(const char* name, bool required, int fallback, int min_value) {
   return static_cast<int>(v);
 }
 
+// c10's exceptions carry a stack trace after their first line: the message is the first line.
+std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
+
 }  // namespace
 
 MeshOptions MeshOptions::from_environment() {
@@ -102,10 +105,12 @@ int Mesh::rank() const { return state_->env.rank; }
 int Mesh::world_size() const { return state_->env.world_size; }
 const LaunchEnv& Mesh::env() const { return state_->env; }
 const c10::intrusive_ptr<c10d::Backend>& Mesh::world() const { return state_->world; }
+std::string Mesh::network() const { return state_->gloo_interface.describe(); }
 
 std::shared_ptr<Mesh> Mesh::single_process() {
   auto state = std::make_unique<detail::MeshState>();
   state->store = c10::make_intrusive<c10d::HashStore>();
+  state->gloo_interface = detail::choose_gloo_interface(state->env);
   state->world = state->make_group("world", 0, 1, c10::DeviceType::CPU);
   return std::shared_ptr<Mesh>(new Mesh(std::move(state)));
 }
@@ -132,11 +137,15 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   auto state = std::make_unique<detail::MeshState>();
   state->env = env;
   state->options = options;
+  // Before the rendezvous: a wrong GLOO_SOCKET_IFNAME or an unroutable MASTER_ADDR is this rank's
+  // own error, reported at once rather than as a peer that never arrived.
+  state->gloo_interface = detail::choose_gloo_interface(env);
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
   so.numWorkers = env.world_size;
-  so.waitWorkers = true;
+  // Rank 0 does not wait inside the store's constructor: the launch keys below name who is missing.
+  so.waitWorkers = false;
   so.timeout = options.init_timeout;
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
   const std::string secs = std::to_string(options.init_timeout.count() / 1000);
@@ -145,24 +154,41 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   } catch (const std::exception& e) {
     throw std::runtime_error(
         "fsdp: rank " + std::to_string(env.rank) + " could not rendezvous at " + where + " within " +
-        secs + " s: " + (env.rank == 0 ? "not every rank of WORLD_SIZE=" + std::to_string(env.world_size) +
-                                             " arrived (a rank was not started or crashed early)"
+        secs + " s: " + (env.rank == 0 ? std::string("rank 0 could not host the store (is the port in use?)")
                                        : "rank 0 (the store host) is not reachable") +
         ". Start all WORLD_SIZE ranks with the same MASTER_ADDR and MASTER_PORT, and check that "
         "the port is free. (" + e.what() + ")");
   }
   // Every rank states the world size it was launched with; a mismatch is reported by every rank
-  // that can see it, before any process group waits for ranks that will never come.
+  // that can see it, before any process group waits for ranks that will never come. Ranks that
+  // never arrive are named, with their node (a host that never joined shows as all its ranks).
   const std::string mine = std::to_string(env.world_size);
   state->store->set("fsdp/launch/" + std::to_string(env.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-  for (int r = 0; r < env.world_size; ++r) {
-    std::vector<uint8_t> theirs;
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back("fsdp/launch/" + std::to_string(r));
+  try {
+    state->store->wait(keys, options.init_timeout);
+  } catch (const std::exception& e) {
+    std::string missing;
+    int count = 0;
     try {
-      theirs = state->store->get("fsdp/launch/" + std::to_string(r));
-    } catch (const std::exception& e) {
-      throw std::runtime_error("fsdp: rank " + std::to_string(r) + " never arrived at " + where +
-                               " within " + secs + " s; start all " + mine + " ranks. (" + e.what() + ")");
+      for (int r = 0; r < env.world_size; ++r) {
+        if (state->store->check({keys[r]})) continue;
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r) + " (node " +
+                   std::to_string(r / env.local_world_size) + ")";
+        ++count;
+      }
+    } catch (const std::exception&) {
+      throw std::runtime_error("fsdp: rank " + std::to_string(env.rank) + " lost the store at " + where +
+                               " while waiting for the other ranks: rank 0 exited. (" + e.what() + ")");
     }
+    throw std::runtime_error("fsdp: " + std::to_string(count) + " of " + mine + " ranks never arrived at " + where +
+                             " within " + secs + " s: rank" + (count > 1 ? "s " : " ") + missing +
+                             ". Start every rank (NODE_RANK = rank / LOCAL_WORLD_SIZE names its host), and check "
+                             "that each host reaches MASTER_ADDR. (" + first_line(e.what()) + ")");
+  }
+  for (int r = 0; r < env.world_size; ++r) {
+    const std::vector<uint8_t> theirs = state->store->get(keys[r]);
     const std::string s(theirs.begin(), theirs.end());
     if (s != mine) {
       throw std::runtime_error("fsdp: world size mismatch: this rank (" + std::to_string(env.rank) +
@@ -193,12 +219,7 @@ GroupPtr MeshState::make_group(const std::string& name, int group_rank, int grou
 #endif
   }
   auto opts = c10d::ProcessGroupGloo::Options::create(options.collective_timeout);
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  if (env.world_size > 1 && env.master_addr != "127.0.0.1" && env.master_addr != "localhost") {
-    // Multi-node: bind to the interface that reaches the master, not loopback.
-    opts->devices.clear();
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  }
+  opts->devices = gloo_interface.make_devices();
   opts->threads = kGlooThreadsPerGroup;
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(

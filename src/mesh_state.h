@@ -14,6 +14,7 @@
 
 #include "collectives.h"
 #include "fsdp/mesh.h"
+#include "network_interface.h"
 
 namespace fsdp {
 
@@ -34,6 +35,7 @@ struct MeshState {
   c10::intrusive_ptr<c10d::Store> store;
   GroupPtr world;
   GroupPtr nccl_world;
+  GlooInterface gloo_interface;  // chosen once, when the mesh is made
   std::map<std::pair<int, int>, ShardGroups> groups;  // (F, device type) -> groups
   int checks = 0;
 

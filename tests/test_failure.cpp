@@ -185,6 +185,9 @@ TEST(Failure, RankThatNeverArrives) {
   auto run = all_must_fail({env(0, 3, p) + worker() + " structure", env(1, 3, p) + worker() + " structure"});
   expect_every_rank_failed(run, 2);
   EXPECT_NE(run.output.find("never arrived"), std::string::npos) << run.output;
+  // Named, with its node: a host that never joined shows as its ranks.
+  EXPECT_NE(run.output.find("1 of 3 ranks never arrived"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find(": rank 2 (node "), std::string::npos) << run.output;
 }
 
 }  // namespace

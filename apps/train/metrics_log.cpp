@@ -57,6 +57,9 @@ nlohmann::json to_json(const StepRecord& r) {
           {"reducing_grads_at_backward_end", m.memory.reducing_grads_at_backward_end},
           {"reductions_in_flight_at_backward_end", m.memory.reductions_in_flight_at_backward_end}};
   if (!r.memory.is_null()) j["memory"] = r.memory;
+  if (!r.links.is_null()) j["links"] = r.links;
+  j["local_rank"] = r.local_rank;
+  j["node_rank"] = r.node_rank;
   return j;
 }
 

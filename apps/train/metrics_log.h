@@ -28,6 +28,8 @@ struct StepRecord {
   double loss = 0, step_ms = 0, tokens_per_s = 0;
   fsdp::Metrics metrics;
   nlohmann::json memory;  // what the process held after each phase (memory_log.h)
+  nlohmann::json links;   // what this host's network links carried through the step (link_counters.h)
+  int local_rank = 0, node_rank = 0;
 };
 
 nlohmann::json to_json(const StepRecord& r);

@@ -15,6 +15,7 @@
 #include "fsdp/grad_scaler.h"
 #include "fsdp/plan.h"
 #include "fsdp/process_memory.h"
+#include "link_counters.h"
 #include "memory_log.h"
 #include "metrics_log.h"
 #include "trainee.h"
@@ -187,6 +188,7 @@ int train(const Config& c) {
     std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
               << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
               << " tokens, corpus " << data.origin() << " (" << data.size() << " tokens)" << std::endl;
+    if (W > 1) std::cout << "fsdp-train: Gloo communicates over " << mesh->network() << std::endl;
   }
   JsonlWriter metrics_out(c.metrics_jsonl);
   const int64_t per_rank = c.global_batch / W;
@@ -204,6 +206,7 @@ int train(const Config& c) {
                              {"live_before_model", live_before_model},
                              {"plan_bytes", plan.total()}};
     const fsdp::HostMemoryPeak peak;  // live tensor bytes through the step
+    const LinkCounters links_before = LinkCounters::read();
     const auto t0 = std::chrono::steady_clock::now();
     auto [x, y] = data.batch(step, c.global_batch, cfg.block_size, c.seed, rank * per_rank, (rank + 1) * per_rank);
     if (device.is_cuda()) {
@@ -260,12 +263,15 @@ int train(const Config& c) {
     mesh->world()->allreduce(l)->wait();
     StepRecord r;
     r.rank = rank;
+    r.local_rank = env.local_rank;
+    r.node_rank = rank / env.local_world_size;
     r.step = step;
     r.loss = l[0].item<double>() / W;
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
     r.metrics = trainee->metrics();
     r.memory = std::move(memory);
+    r.links = LinkCounters::read().since(links_before);
     if (!c.trace_dir.empty() && step == c.trace_step) {
       const std::string path = c.trace_dir + "/trace-rank" + std::to_string(rank) + ".json";
       if (trainee->write_trace(path) && rank == 0) {

@@ -46,6 +46,9 @@ class Mesh {
  public:
   // Connects to the TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), checks that every rank
   // was launched with the same world size, and builds the world group (Gloo; CPU tensors). Sets
+  // Gloo binds to GLOO_SOCKET_IFNAME's interfaces if set, else to 127.0.0.1 when MASTER_ADDR is on
+  // loopback, else to the address of the interface that routes to MASTER_ADDR (not the hostname's
+  // address, which is loopback on most hosts). Sets
   // SIGPIPE to be ignored if it has its default action, so that a dead peer's closed socket makes
   // a collective fail with an error rather than kill this rank.
   static std::shared_ptr<Mesh> create(const LaunchEnv& env, MeshOptions options = MeshOptions::from_environment());
@@ -61,6 +64,9 @@ class Mesh {
   // The group of all ranks (Gloo, CPU tensors), for the program's own collectives (e.g. averaging
   // the loss it logs).
   const c10::intrusive_ptr<c10d::Backend>& world() const;
+  // Where this rank's Gloo groups communicate and why, e.g. "address 198.18.0.2 (the route to
+  // MASTER_ADDR=198.18.0.1)": for the program's log.
+  std::string network() const;
 
  private:
   explicit Mesh(std::unique_ptr<detail::MeshState> state);
