@@ -27,12 +27,6 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 // Reads pieces; opens each file once.
 class PieceReader {
  public:

@@ -1,4 +1,5 @@
 #include "mesh_state.h"
+#include "simulated_backend.h"
 
 #include <signal.h>
 
@@ -105,7 +106,30 @@ int Mesh::rank() const { return state_->env.rank; }
 int Mesh::world_size() const { return state_->env.world_size; }
 const LaunchEnv& Mesh::env() const { return state_->env; }
 const c10::intrusive_ptr<c10d::Backend>& Mesh::world() const { return state_->world; }
-std::string Mesh::network() const { return state_->gloo_interface.describe(); }
+std::string Mesh::network() const {
+  return state_->simulated ? "nothing (a simulated rank)" : state_->gloo_interface.describe();
+}
+bool Mesh::is_simulated() const { return state_->simulated; }
+
+std::shared_ptr<Mesh> Mesh::simulated(int world_size, int rank, int local_world_size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw std::invalid_argument("fsdp: a simulated rank " + std::to_string(rank) + " of " + std::to_string(world_size) +
+                                " ranks: the rank must be in [0, world size)");
+  }
+  if (local_world_size < 1 || world_size % local_world_size != 0) {
+    throw std::invalid_argument("fsdp: a simulated job of " + std::to_string(world_size) + " ranks with " +
+                                std::to_string(local_world_size) + " per node: the ranks per node must divide the world size");
+  }
+  auto state = std::make_unique<detail::MeshState>();
+  state->env.world_size = world_size;
+  state->env.rank = rank;
+  state->env.local_world_size = local_world_size;
+  state->env.local_rank = rank % local_world_size;
+  state->simulated = true;
+  state->store = c10::make_intrusive<c10d::HashStore>();
+  state->world = state->make_group("world", rank, world_size, c10::DeviceType::CPU);
+  return std::shared_ptr<Mesh>(new Mesh(std::move(state)));
+}
 
 std::shared_ptr<Mesh> Mesh::single_process() {
   auto state = std::make_unique<detail::MeshState>();
@@ -203,6 +227,7 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
 namespace detail {
 
 GroupPtr MeshState::make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device) {
+  if (simulated) return c10::make_intrusive<SimulatedBackend>(group_rank, group_size);
   if (device == c10::DeviceType::CUDA) {
 #ifdef USE_C10D_NCCL
     if (c10::cuda::device_count() == 0) {

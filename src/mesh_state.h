@@ -36,6 +36,7 @@ struct MeshState {
   GroupPtr world;
   GroupPtr nccl_world;
   GlooInterface gloo_interface;  // chosen once, when the mesh is made
+  bool simulated = false;        // Mesh::simulated: every group is a SimulatedBackend
   std::map<std::pair<int, int>, ShardGroups> groups;  // (F, device type) -> groups
   int checks = 0;
 

@@ -202,3 +202,60 @@ TEST(Memory, UnderAPerRankCapShardingTrainsAndReplicationIsRefused) {
 }
 
 }  // namespace
+
+namespace {
+
+// One rank of a bigger job, alone in this process (fsdp-train --simulate-rank): the pre-flight
+// check a user runs before booking W devices. Against the same rank of a real 4-rank run: the
+// same shards, the same collectives issued, and a measured peak no higher than the real one
+// (stand-in collectives complete at once, so no reduction stays in flight) and not far below it.
+TEST(Memory, SimulatedRankHoldsWhatTheRealRankHolds) {
+  const std::string args = "--model small --steps 3 --global-batch-size 8 --strategy full_shard ";
+  const auto real = train("sim-real", args + "--nproc-per-node 4");
+  ASSERT_EQ(real.run.exit_code, 0) << real.run.output;
+  const auto sim = train("sim", args + "--simulate-rank 2 --world-size 4");
+  ASSERT_EQ(sim.run.exit_code, 0) << sim.run.output;
+  EXPECT_NE(sim.run.output.find("SIMULATED rank 2 of 4"), std::string::npos) << sim.run.output;
+  EXPECT_NE(sim.run.output.find("NOT trained results"), std::string::npos) << sim.run.output;
+  EXPECT_NE(sim.run.output.find("[SIMULATED] step"), std::string::npos) << sim.run.output;
+  auto row_of = [](const std::vector<json>& rows, int rank, int step) {
+    for (const auto& r : rows) {
+      if (r["rank"] == rank && r["step"] == step) return r;
+    }
+    return json();
+  };
+  const json a = row_of(real.rows, 2, 2), b = row_of(sim.rows, 2, 2);
+  ASSERT_FALSE(a.is_null());
+  ASSERT_FALSE(b.is_null()) << sim.run.output;
+  EXPECT_TRUE(b.value("simulated", false));
+  EXPECT_EQ(a["param_bytes_resident"], b["param_bytes_resident"]);
+  EXPECT_EQ(a["grad_bytes_resident"], b["grad_bytes_resident"]);
+  EXPECT_EQ(a["comm_calls"], b["comm_calls"]);
+  EXPECT_EQ(a["comm_bytes"], b["comm_bytes"]);
+  EXPECT_EQ(a["memory"]["plan_bytes"], b["memory"]["plan_bytes"]);
+  const double real_peak = a["memory"]["peak_live_tensor_bytes"].get<double>() - a["memory"]["live_before_model"].get<double>();
+  const double sim_peak = b["memory"]["peak_live_tensor_bytes"].get<double>() - b["memory"]["live_before_model"].get<double>();
+  EXPECT_LE(sim_peak, real_peak * 1.02) << "simulated " << sim_peak << " real " << real_peak;
+  EXPECT_GE(sim_peak, real_peak * 0.75) << "simulated " << sim_peak << " real " << real_peak;
+  // A job that cannot exist is refused clearly.
+  const auto bad = train("sim-bad", args + "--simulate-rank 4 --world-size 4");
+  EXPECT_NE(bad.run.exit_code, 0);
+  EXPECT_NE(bad.run.output.find("the rank must be in [0, world size)"), std::string::npos) << bad.run.output;
+}
+
+// A 64-rank job's rank on this machine: the 1b GPT's shard, a step's real peak, in seconds.
+TEST(Memory, SimulatedRankOfASixtyFourRankJob) {
+  const auto sim = train("sim64", "--model 200m --block-size 64 --steps 2 --global-batch-size 64 --strategy full_shard "
+                                  "--simulate-rank 63 --world-size 64 --ranks-per-node 8",
+                         600);
+  ASSERT_EQ(sim.run.exit_code, 0) << sim.run.output;
+  ASSERT_FALSE(sim.rows.empty());
+  const json& r = sim.rows.back();
+  // 203 M parameters over 64 ranks: about 3.2 M fp32 elements of shard, 12.7 MB.
+  EXPECT_LT(r["param_bytes_resident"].get<double>(), 14e6) << r.dump();
+  EXPECT_GT(r["param_bytes_resident"].get<double>(), 12e6) << r.dump();
+  const double peak = r["memory"]["peak_live_tensor_bytes"].get<double>() - r["memory"]["live_before_model"].get<double>();
+  EXPECT_NEAR(peak, r["memory"]["plan_bytes"].get<double>(), 0.25 * r["memory"]["plan_bytes"].get<double>()) << r.dump();
+}
+
+}  // namespace

@@ -70,9 +70,15 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--load-weights", c.load_weights,
                  "before training, load the model's weights from a .safetensors file or a torch.save file of a dict");
   app.add_flag("--plan", c.plan, "print the per-rank memory plan (fp32 and bf16) without allocating the model, then exit");
-  app.add_option("--world-size", c.plan_world, "--plan: ranks to plan for (default: --nproc-per-node)")->check(CLI::PositiveNumber);
-  app.add_option("--ranks-per-node", c.plan_local, "--plan: ranks per node (the hybrid strategies' default F)")
+  app.add_option("--world-size", c.plan_world, "--plan and --simulate-rank: the job's ranks (default: --nproc-per-node)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--ranks-per-node", c.plan_local,
+                 "--plan and --simulate-rank: ranks per node (the hybrid strategies' default F)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--simulate-rank", c.simulate_rank,
+                 "run only this rank of a --world-size job in this process, every collective a stand-in: its real "
+                 "memory peaks and compute time, before booking the cluster (losses are not trained results)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--local", c.local, "baseline: plain libtorch training in one process, without fsdp");
   app.add_option("--export-init", c.export_init,
                  "write the initial weights, every step's batch and the settings to this folder, then exit");
@@ -116,6 +122,7 @@ fsdp::Options fsdp_options(const Config& c, const models::GPTConfig& cfg, int wo
   const int64_t element = opts.mixed_precision ? c10::elementSize(opts.mixed_precision->param_dtype) : 4;
   opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, element);
   opts.memory_budget.root_activation_bytes = cfg.head_activation_bytes(micro_batch, cfg.block_size, element);
+  opts.memory_budget.backward_workspace_bytes = cfg.block_backward_workspace_bytes(micro_batch, cfg.block_size, element);
   return opts;
 }
 

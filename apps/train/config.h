@@ -61,6 +61,9 @@ struct Config {
   int plan_world = 0;
   int plan_local = 8;        // ranks per node, for the plan's hybrid strategies
   int nproc = 0;             // --nproc-per-node (the launcher consumes it; --plan reads it)
+  // Run only this rank of a --world-size job, with stand-in collectives (Mesh::simulated): a
+  // pre-flight check of one rank's memory and compute time. -1: a real run.
+  int simulate_rank = -1;
 };
 
 // Parses argv into `c`. Returns an exit code when the program should stop (help, a bad flag).

@@ -19,6 +19,11 @@ int main(int argc, char** argv) {
       if (c.plan_world <= 0) c.plan_world = std::max(1, c.nproc);
       return train::plan(c);
     }
+    if (c.simulate_rank >= 0) {
+      if (c.plan_world <= 0) throw std::invalid_argument("--simulate-rank needs --world-size: the job's ranks");
+      if (c.nproc > 0) throw std::invalid_argument("--simulate-rank runs one process; drop --nproc-per-node");
+      return train::train(c);
+    }
     if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
     if (std::getenv("RANK") == nullptr && std::getenv("WORLD_SIZE") == nullptr) {
       // Neither launched nor asked to launch: one local rank.

@@ -67,12 +67,29 @@ fsdp::MemoryPlan local_plan(torch::nn::Module& meta, const fsdp::Options& sharde
 
 int train(const Config& c) {
   fsdp::install_host_allocator();  // before anything is allocated: every CPU tensor counts
-  const fsdp::LaunchEnv env = fsdp::LaunchEnv::from_environment();
-  // Share the cores among the local ranks instead of oversubscribing them.
+  const bool simulated = c.simulate_rank >= 0;
+  auto mesh = simulated ? fsdp::Mesh::simulated(c.plan_world, c.simulate_rank, std::min(c.plan_local, c.plan_world))
+                        : fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
+  const fsdp::LaunchEnv env = mesh->env();
+  // Share the cores among the local ranks instead of oversubscribing them (a simulated rank is
+  // alone on this machine).
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  torch::set_num_threads(c.threads > 0 ? c.threads : std::max(1, cores / env.local_world_size));
-  auto mesh = fsdp::Mesh::create(env);
+  torch::set_num_threads(c.threads > 0 ? c.threads : std::max(1, cores / (simulated ? 1 : env.local_world_size)));
   const int W = mesh->world_size(), rank = mesh->rank();
+  // What this process prints: rank 0's view, or the simulated rank's.
+  const bool prints = rank == 0 || simulated;
+  if (simulated) {
+    if (c.local) throw std::invalid_argument("--simulate-rank runs one rank of a sharded job; drop --local");
+    if (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty()) {
+      throw std::invalid_argument("--simulate-rank: a simulated rank has no peers to save or load with; drop the "
+                                  "checkpoint flags");
+    }
+    std::cout << "fsdp-train: SIMULATED rank " << rank << " of " << W << " (" << env.local_world_size
+              << " per node): the other ranks do not exist and every collective is a stand-in that completes at "
+                 "once. Memory and compute time are this rank's; the losses are NOT trained results and no "
+                 "communication is timed."
+              << std::endl;
+  }
   if (c.global_batch % W != 0) {
     throw std::invalid_argument("--global-batch-size " + std::to_string(c.global_batch) +
                                 " is not divisible by the world size " + std::to_string(W) +
@@ -162,11 +179,11 @@ int train(const Config& c) {
     const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
     start_step = static_cast<int>(resumed.step);
     const auto saved = nlohmann::json::parse(resumed.user_json);
-    if (saved.value("seed", c.seed) != c.seed && rank == 0) {
+    if (saved.value("seed", c.seed) != c.seed && prints) {
       std::cout << "fsdp-train: note: the checkpoint was trained with --seed " << saved["seed"]
                 << "; batches from step " << start_step << " on follow --seed " << c.seed << std::endl;
     }
-    if (rank == 0) {
+    if (prints) {
       std::cout << "fsdp-train: resumed from " << path << " at step " << start_step << " (loaded in "
                 << static_cast<int64_t>(load_ms) << " ms)" << std::endl;
       if (start_step >= c.steps) {
@@ -184,11 +201,11 @@ int train(const Config& c) {
     checkpointer = std::make_unique<fsdp::Checkpointer>(mesh, c.save_dir, co);
   }
 
-  if (rank == 0) {
+  if (prints) {
     std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
               << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
               << " tokens, corpus " << data.origin() << " (" << data.size() << " tokens)" << std::endl;
-    if (W > 1) std::cout << "fsdp-train: Gloo communicates over " << mesh->network() << std::endl;
+    if (W > 1 && !simulated) std::cout << "fsdp-train: Gloo communicates over " << mesh->network() << std::endl;
   }
   JsonlWriter metrics_out(c.metrics_jsonl);
   const int64_t per_rank = c.global_batch / W;
@@ -242,7 +259,7 @@ int train(const Config& c) {
     if (scaler) scaler->unscale_(*optim.adamw);
     if (c.clip > 0) trainee->clip_grad_norm(c.clip);
     if (scaler) {
-      if (!scaler->step(*optim.adamw) && rank == 0) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
+      if (!scaler->step(*optim.adamw) && prints) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
       scaler->update();
     } else {
       optim.adamw->step();
@@ -253,7 +270,7 @@ int train(const Config& c) {
       sampling->stop();
       const std::string path = c.memory_timeline + "/memory-rank" + std::to_string(rank) + ".csv";
       sampling->write_csv(path);
-      if (rank == 0) {
+      if (prints) {
         std::cout << "fsdp-train: wrote the memory of step " << step << " to " << c.memory_timeline
                   << "/memory-rank*.csv" << std::endl;
       }
@@ -274,7 +291,7 @@ int train(const Config& c) {
     r.links = LinkCounters::read().since(links_before);
     if (!c.trace_dir.empty() && step == c.trace_step) {
       const std::string path = c.trace_dir + "/trace-rank" + std::to_string(rank) + ".json";
-      if (trainee->write_trace(path) && rank == 0) {
+      if (trainee->write_trace(path) && prints) {
         std::cout << "fsdp-train: wrote the Chrome trace of step " << step << " to " << c.trace_dir
                   << "/trace-rank*.json (open in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
       }
@@ -290,9 +307,10 @@ int train(const Config& c) {
       }
       std::vector<at::Tensor> e{models::lm_loss(trainee->forward(ex), ey).detach().reshape({1}).to(torch::kCPU, torch::kFloat)};
       mesh->world()->allreduce(e)->wait();
-      if (rank == 0) std::cout << "step " << step << " | eval loss " << e[0].item<double>() / W << std::endl;
+      if (prints) std::cout << "step " << step << " | eval loss " << e[0].item<double>() / W << std::endl;
     }
     nlohmann::json record = to_json(r);
+    if (simulated) record["simulated"] = true;  // not a trained result
     if (checkpointer && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
       // The batches are a function of the step, so the step is the data position.
       const auto s0 = std::chrono::steady_clock::now();
@@ -306,20 +324,21 @@ int train(const Config& c) {
       record["checkpoint_memory"] = {{"peak_increase_bytes", save_peak.peak_bytes()},
                                      {"largest_unit_bytes", largest_unit},
                                      {"live_before_bytes", save_peak.start_bytes()}};
-      if (rank == 0) {
+      if (prints) {
         std::cout << "fsdp-train: " << (c.async_save ? "saving " : "saved ") << where << " (training stalled "
                   << static_cast<int64_t>(stall) << " ms)" << std::endl;
       }
     }
     metrics_out.write(record);
-    if (rank == 0 && (step % c.log_every == 0 || step == c.steps - 1)) {
-      std::cout << progress_line(r, trainee->is_sharded(), device.is_cuda()) << std::endl;
+    if (prints && (step % c.log_every == 0 || step == c.steps - 1)) {
+      std::cout << (simulated ? "[SIMULATED] " : "") << progress_line(r, trainee->is_sharded(), device.is_cuda())
+                << std::endl;
     }
   }
   if (checkpointer) checkpointer->wait();
   if (!c.export_full.empty()) {
     fsdp::export_full(c.export_full, *wrapped);
-    if (rank == 0) std::cout << "fsdp-train: wrote the whole model to " << c.export_full << std::endl;
+    if (prints) std::cout << "fsdp-train: wrote the whole model to " << c.export_full << std::endl;
   }
   return 0;
 }

@@ -54,6 +54,13 @@ class Mesh {
   static std::shared_ptr<Mesh> create(const LaunchEnv& env, MeshOptions options = MeshOptions::from_environment());
   // A world of one process: no store, no sockets. Used by local training and by W = 1 runs.
   static std::shared_ptr<Mesh> single_process();
+  // Rank `rank` of a `world_size`-rank job (`local_world_size` ranks per node), alone in this
+  // process: a pre-flight check of one rank's memory peaks and compute time for a job that needs
+  // W devices, on one machine or one GPU. Every collective is a stand-in that writes outputs of
+  // the right size and completes at once (src/simulated_backend.h); nothing is sent, so losses
+  // are not trained results and communication time is not measured.
+  static std::shared_ptr<Mesh> simulated(int world_size, int rank, int local_world_size);
+  bool is_simulated() const;
   ~Mesh();
   Mesh(const Mesh&) = delete;
   Mesh& operator=(const Mesh&) = delete;

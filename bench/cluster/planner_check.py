@@ -1,0 +1,200 @@
+"""The planner (apps/plan/fsdp_plan.py) against the emulated cluster, then the paper's figures
+redrawn from it with the paper's hardware.
+
+    bench/cluster/planner_check [--results build/bench-cluster/results.json] [--out DIR]
+
+1. Calibration, under the same sharing of the 2 cores as the runs it predicts: one run of
+   full_shard at 2 hosts x 2 ranks, 1 Gbit/s, traced (fsdp-train --trace): each block's forward
+   and backward compute, and the rest of the step (embeddings, head, loss, optimizer) from the
+   step time less the blocks and the exposed waits. The loopback's rate and per-collective cost,
+   from a traced run on one host (every collective on loopback).
+2. Validation: the planner's step time and per-link bytes for every strategy at 20, 100 and
+   1000 Mbit/s against what bench/cluster/run measured (its results.json): only full_shard at
+   1 Gbit/s took part in the calibration.
+3. The paper's figures with its hardware (A100 at 312 TFLOPS bf16, 8 per host, NVLink, 2 Tb/s
+   RoCE per host): GPT-175B TFLOPS per GPU at 128-512 GPUs with and without backward prefetch
+   (paper Fig. 6b/9), T5-11B at 8-512 GPUs, full against hybrid sharding's cross-host traffic.
+Writes planner.json, planner.md and paper_figures.svg/.png to --out.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "apps", "plan"))
+sys.path.insert(0, HERE)
+import fsdp_plan  # noqa: E402
+import run as cluster_run  # noqa: E402
+
+TRAIN = os.path.join(ROOT, "build", "bin", "fsdp-train")
+
+
+def trace_events(path):
+    ev = json.load(open(path))
+    return ev["traceEvents"] if isinstance(ev, dict) else ev
+
+
+def block_spans(events):
+    fwd = [e["dur"] for e in events if e.get("ph") == "X" and e["cat"] == "forward" and "blocks." in e["name"]]
+    bwd = [e["dur"] for e in events if e.get("ph") == "X" and e["cat"] == "backward" and "blocks." in e["name"]]
+    waits = [e["dur"] for e in events if e.get("ph") == "X" and e["cat"] in ("wait", "rate-limit")]
+    return fwd, bwd, waits
+
+
+def calibrate(model, batch, steps=6, trace_step=4):
+    with tempfile.TemporaryDirectory() as d:
+        metrics = os.path.join(d, "m.jsonl")
+        cluster_run.cluster(2, 2, "1gbit", [TRAIN, "--model", model, "--steps", str(steps), "--global-batch-size", str(batch),
+                                            "--strategy", "full_shard", "--log-every", "1000", "--metrics-jsonl", metrics,
+                                            "--trace", d, "--trace-step", str(trace_step)])
+        rows = [json.loads(l) for l in open(metrics)]
+        per_rank = []
+        for rank in range(4):
+            fwd, bwd, waits = block_spans(trace_events(os.path.join(d, "trace-rank%d.json" % rank)))
+            step_ms = next(r["step_ms"] for r in rows if r["rank"] == rank and r["step"] == trace_step)
+            per_rank.append((sum(fwd) / 1e3, sum(bwd) / 1e3, sum(waits) / 1e3, step_ms, len(fwd)))
+        # Loopback: a traced run on one host, every collective over loopback.
+        local_dir = os.path.join(d, "local")
+        os.makedirs(local_dir)
+        subprocess.run([TRAIN, "--model", model, "--steps", str(steps), "--global-batch-size", str(batch), "--strategy",
+                        "full_shard", "--nproc-per-node", "2", "--log-every", "1000", "--trace", local_dir, "--trace-step",
+                        str(trace_step)], check=True, capture_output=True)
+        ev = trace_events(os.path.join(local_dir, "trace-rank0.json"))
+        rates = [e["args"]["bytes"] / (e["dur"] / 1e6) for e in ev
+                 if e.get("ph") == "X" and e["cat"] in ("all-gather", "reduce-scatter") and e["dur"] > 0
+                 and e["args"].get("bytes", 0) > 0]
+    L = per_rank[0][4]
+    fwd_ms = statistics.median(p[0] for p in per_rank) / L
+    bwd_ms = statistics.median(p[1] for p in per_rank) / L
+    other_ms = statistics.median(p[3] - p[0] - p[1] - p[2] for p in per_rank)
+    return {"block_fwd_s": fwd_ms / 1e3, "block_bwd_s": bwd_ms / 1e3, "root_fwd_s": 0.0, "root_bwd_s": 0.0,
+            "other_s": other_ms / 1e3, "loopback_bytes_per_s": statistics.median(rates)}
+
+
+def predict(model_name, strategy, rate_mbit, calib, batch_per_rank):
+    args = fsdp_plan.parser().parse_args([
+        "--model", model_name, "--world", "4", "--ranks-per-host", "2", "--strategy", strategy,
+        "--batch-per-rank", str(batch_per_rank), "--backend", "gloo", "--framing", "1.07",
+        "--param-bytes", "4", "--reduce-bytes", "4",
+        "--inter-gbs", str(rate_mbit / 8 / 1000.0), "--intra-gbs", str(calib["loopback_bytes_per_s"] / 1e9),
+        "--latency", "100e-6"])
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(calib, f)
+    args.calibration = f.name
+    r = fsdp_plan.plan(args)
+    os.unlink(f.name)
+    return r
+
+
+def paper_figures(out):
+    fig_rows = []
+    for prefetch in (True, False):
+        for W in (128, 256, 512):
+            argv = ["--model", "175b", "--world", str(W), "--ranks-per-host", "8", "--hardware", "a100-roce",
+                    "--batch-per-rank", "1", "--strategy", "full_shard"]
+            if not prefetch:
+                argv.append("--no-backward-prefetch")
+            r = fsdp_plan.plan(fsdp_plan.apply_hardware(fsdp_plan.parser().parse_args(argv)))
+            fig_rows.append({"figure": "gpt175b", "W": W, "prefetch": prefetch, "tflops": r["tflops_per_rank"],
+                             "step_s": r["step_s"], "exposed_s": r["exposed_comm_s"]})
+    for W in (8, 16, 32, 64, 128, 256, 512):
+        argv = ["--model", "t5-11b", "--world", str(W), "--ranks-per-host", "8", "--hardware", "a100-roce",
+                "--batch-per-rank", "8", "--strategy", "full_shard"]
+        r = fsdp_plan.plan(fsdp_plan.apply_hardware(fsdp_plan.parser().parse_args(argv)))
+        fig_rows.append({"figure": "t5-11b", "W": W, "tflops": r["tflops_per_rank"], "step_s": r["step_s"],
+                         "exposed_s": r["exposed_comm_s"]})
+    for strategy in ("full_shard", "hybrid_shard"):
+        for W in (16, 64, 256, 512):
+            argv = ["--model", "175b", "--world", str(W), "--ranks-per-host", "8", "--hardware", "a100-roce",
+                    "--batch-per-rank", "1", "--strategy", strategy]
+            r = fsdp_plan.plan(fsdp_plan.apply_hardware(fsdp_plan.parser().parse_args(argv)))
+            fig_rows.append({"figure": "traffic", "W": W, "strategy": strategy, "link_bytes": r["link_bytes"],
+                             "tflops": r["tflops_per_rank"], "step_s": r["step_s"]})
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for prefetch in (True, False):
+        xs = [r["W"] for r in fig_rows if r["figure"] == "gpt175b" and r["prefetch"] == prefetch]
+        ys = [r["tflops"] for r in fig_rows if r["figure"] == "gpt175b" and r["prefetch"] == prefetch]
+        axes[0].plot(xs, ys, marker="o", label="backward prefetch" if prefetch else "no prefetch")
+    axes[0].set_title("GPT-175B, full sharding (paper Fig. 9)")
+    axes[0].set_xlabel("GPUs")
+    axes[0].set_ylabel("predicted TFLOPS per GPU")
+    axes[0].set_xscale("log", base=2)
+    axes[0].legend()
+    xs = [r["W"] for r in fig_rows if r["figure"] == "t5-11b"]
+    axes[1].plot(xs, [r["tflops"] for r in fig_rows if r["figure"] == "t5-11b"], marker="o")
+    axes[1].set_title("T5-11B, full sharding, batch 8 per GPU")
+    axes[1].set_xlabel("GPUs")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_ylabel("predicted TFLOPS per GPU")
+    for strategy in ("full_shard", "hybrid_shard"):
+        xs = [r["W"] for r in fig_rows if r["figure"] == "traffic" and r["strategy"] == strategy]
+        axes[2].plot(xs, [r["link_bytes"] / 1e9 for r in fig_rows if r["figure"] == "traffic" and r["strategy"] == strategy],
+                     marker="o", label=strategy)
+    axes[2].set_title("GPT-175B: bytes per host link per step")
+    axes[2].set_xlabel("GPUs")
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_ylabel("GB")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "paper_figures.svg"))
+    fig.savefig(os.path.join(out, "paper_figures.png"), dpi=110)
+    return fig_rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=os.path.join(ROOT, "build", "bench-cluster", "results.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench-cluster"))
+    a = ap.parse_args()
+    measured = json.load(open(a.results))
+    model, batch = measured["model"], measured["batch"]
+    calib = calibrate(model, batch)
+    print("calibration:", json.dumps(calib))
+    rows = []
+    for m in measured["bandwidth"]:
+        rate = cluster_run.mbit(m["rate"])
+        p = predict(model, m["strategy"], rate, calib, batch // 4)
+        rows.append({"strategy": m["strategy"], "mbit": rate, "measured_ms": m["step_ms_median"],
+                     "predicted_ms": p["step_s"] * 1e3, "ratio": p["step_s"] * 1e3 / m["step_ms_median"],
+                     "predicted_link_bytes": p["link_bytes"],
+                     "in_calibration": m["strategy"] == "full_shard" and rate == 1000})
+    traffic_rows = []
+    for t in measured["traffic"]:
+        if t["hosts"] != 2 or t["per_host"] != 2:
+            continue
+        p = predict(model, t["strategy"], 1000, calib, batch // 4)
+        traffic_rows.append({"strategy": t["strategy"], "measured_tx": t["measured_tx"], "predicted": p["link_bytes"],
+                             "ratio": p["link_bytes"] / t["measured_tx"]})
+    figs = paper_figures(a.out)
+    res = {"calibration": calib, "step_time": rows, "traffic": traffic_rows, "paper": figs,
+           "command": "bench/cluster/planner_check " + " ".join(sys.argv[1:])}
+    json.dump(res, open(os.path.join(a.out, "planner.json"), "w"), indent=1)
+    L = ["| strategy | link | measured step | predicted | predicted / measured |", "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["strategy"], r["mbit"])):
+        L.append("| %s | %d Mbit/s | %.0f ms | %.0f ms | %.2f%s |" % (r["strategy"], r["mbit"], r["measured_ms"],
+                                                                     r["predicted_ms"], r["ratio"],
+                                                                     " (calibration)" if r["in_calibration"] else ""))
+    L += ["", "| strategy | measured bytes per host link and step (tx) | planner | planner / measured |", "|---|---|---|---|"]
+    for r in traffic_rows:
+        L.append("| %s | %.1f KB | %.1f KB | %.2f |" % (r["strategy"], r["measured_tx"] / 1e3, r["predicted"] / 1e3, r["ratio"]))
+    L += ["", "| figure | GPUs | variant | predicted TFLOPS/GPU | step | exposed communication |", "|---|---|---|---|---|---|"]
+    for r in figs:
+        variant = r.get("strategy") or ("prefetch" if r.get("prefetch") else ("no prefetch" if "prefetch" in r else ""))
+        L.append("| %s | %d | %s | %.0f | %.2f s | %s |" % (r["figure"], r["W"], variant, r["tflops"], r["step_s"],
+                                                          "%.2f s" % r["exposed_s"] if "exposed_s" in r else
+                                                          "%.1f GB per host link" % (r["link_bytes"] / 1e9)))
+    open(os.path.join(a.out, "planner.md"), "w").write("\n".join(L) + "\n")
+    print("\n".join(L))
+
+
+if __name__ == "__main__":
+    main()
