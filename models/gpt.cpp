@@ -36,22 +36,6 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   return (n_layer * per_block + head) * element_size;
 }
 
-int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
-  const int64_t tokens = batch * seq_len;
-  // The embeddings' sum is block 0's input, freed by block 0's backward, last: not counted here.
-  return (tokens * d_model + 2 * tokens * vocab_size) * element_size;
-}
-
-int64_t GPTConfig::block_backward_workspace_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
-  const int64_t tokens = batch * seq_len, d = d_model, T = seq_len;
-  // The MLP's backward: the gradients of gelu's output and of fc's output (4 each, in tokens x d)
-  // beside the incoming gradient (1). The attention's: the gradients of the softmax's output and
-  // of the scores (batch x heads x T x T each) beside those of q, k, v and the output (4).
-  const int64_t mlp = 9 * tokens * d;
-  const int64_t attention = 2 * batch * n_head * T * T + 4 * tokens * d;
-  return std::max(mlp, attention) * element_size;
-}
-
 GPTConfig GPTConfig::preset(const std::string& name) {
   // {vocab, block, layers, heads, d_model}
   static const std::map<std::string, GPTConfig> presets = {

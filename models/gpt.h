@@ -23,12 +23,6 @@ struct GPTConfig {
   // autograd saves for backward, plus the loss's gradient buffers. Counted from forward() below;
   // the memory tests hold it (inside the plan) against the measured peak.
   int64_t activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
-  // Of those, what the head saves (ln_f's output, log_softmax's output and its gradient): freed by
-  // the first steps of backward, before any block's (fsdp::MemoryBudget::root_activation_bytes).
-  int64_t head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
-  // What one block's backward allocates for a moment besides them: the gradients of its largest
-  // intermediates alive at once (fsdp::MemoryBudget::backward_workspace_bytes).
-  int64_t block_backward_workspace_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
 
   // "tiny", "small", "default", "medium", "large" (50 M), "1b", "175b". Throws std::invalid_argument otherwise.
   static GPTConfig preset(const std::string& name);

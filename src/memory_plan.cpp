@@ -75,8 +75,6 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     plan.peak_unsharded_params = all_unsharded;
   }
   plan.activations = options.memory_budget.activation_bytes;
-  plan.root_activations = std::min(options.memory_budget.root_activation_bytes, plan.activations);
-  plan.backward_workspace = options.memory_budget.backward_workspace_bytes;
   if (options.memory_budget.async_checkpoint) plan.checkpoint_copy = plan.sharded_params + plan.adam_state;
   plan.backward_units = std::max<int>(1, static_cast<int>(nonroot_bytes.size()));
   plan.unit_grads = largest_compute_bytes;
@@ -95,16 +93,14 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
 
 int64_t MemoryPlan::backward_peak() const {
   const int n = std::max(1, backward_units);
-  // The root's last layers (a GPT's head) run backward first: everything saved is still alive.
-  int64_t peak = activations + root_grads;
-  const int64_t shared = activations - root_activations;
+  int64_t peak = 0;
   for (int j = 0; j < n; ++j) {
     const int64_t in_flight =
         static_cast<int64_t>(std::min(j, reductions_in_flight)) * (reduce_copies * reduce_buffer + replica_buffer);
     // While unit j runs its backward: its activations still held, its gradients accumulating.
-    const int64_t during = shared * (n - j) / n + backward_workspace + root_grads + unit_grads + in_flight;
+    const int64_t during = activations * (n - j) / n + root_grads + unit_grads + in_flight;
     // When its backward is over: its activations freed, its gradients flattened into the buffer.
-    const int64_t after = shared * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
+    const int64_t after = activations * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
     peak = std::max({peak, during, after});
   }
   return peak;
@@ -151,9 +147,6 @@ std::string format_plans(const std::vector<MemoryPlan>& plans) {
   row("peak unsharded gradients + reduce buffers", &MemoryPlan::peak_unsharded_grads);
   const bool with_activations = std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.activations > 0; });
   if (with_activations) row("activations (estimate)", &MemoryPlan::activations);
-  if (std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.backward_workspace > 0; })) {
-    row("a unit's backward workspace (estimate)", &MemoryPlan::backward_workspace);
-  }
   out << (with_activations ? "| **peak (backward: activations freed as gradients arrive)** |"
                             : "| **peak, without activations** |");
   for (const auto& p : plans) out << " **" << format_bytes(p.total()) << "** |";

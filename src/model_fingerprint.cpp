@@ -15,8 +15,6 @@ std::string describe_model(const torch::nn::Module& root, const std::vector<Unit
        << " sync_module_states " << options.sync_module_states << " init_device "
        << (options.init_device ? options.init_device->str() : std::string("unset")) << " memory_budget "
        << options.memory_budget.max_bytes_per_rank << " activation_bytes " << options.memory_budget.activation_bytes
-       << " root_activation_bytes " << options.memory_budget.root_activation_bytes << " backward_workspace_bytes "
-       << options.memory_budget.backward_workspace_bytes
        << " async_checkpoint " << options.memory_budget.async_checkpoint << "\n";
   if (const auto& mp = options.mixed_precision) {
     desc << "mixed precision param " << dtype_name(mp->param_dtype) << " reduce " << dtype_name(mp->reduce_dtype)

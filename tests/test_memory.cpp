@@ -243,7 +243,7 @@ TEST(Memory, SimulatedRankHoldsWhatTheRealRankHolds) {
   EXPECT_NE(bad.run.output.find("the rank must be in [0, world size)"), std::string::npos) << bad.run.output;
 }
 
-// A 64-rank job's rank on this machine: the 1b GPT's shard, a step's real peak, in seconds.
+// A 64-rank job's rank on this machine: the 200m GPT's shard and a step's real peak, in seconds.
 TEST(Memory, SimulatedRankOfASixtyFourRankJob) {
   const auto sim = train("sim64", "--model 200m --block-size 64 --steps 2 --global-batch-size 64 --strategy full_shard "
                                   "--simulate-rank 63 --world-size 64 --ranks-per-node 8",
@@ -254,8 +254,15 @@ TEST(Memory, SimulatedRankOfASixtyFourRankJob) {
   // 203 M parameters over 64 ranks: about 3.2 M fp32 elements of shard, 12.7 MB.
   EXPECT_LT(r["param_bytes_resident"].get<double>(), 14e6) << r.dump();
   EXPECT_GT(r["param_bytes_resident"].get<double>(), 12e6) << r.dump();
+  // Gathered at once: the root unit (the 51 M-parameter embedding, 205 MB) and two blocks (50 MB
+  // each: the one computing and the one prefetched), nothing more.
+  EXPECT_NEAR(r["peak_unsharded_bytes"].get<double>(), 306e6, 2e6) << r.dump();
+  // The plan bounds the measured peak: it also counts the reductions a real rank has in flight
+  // (up to two reduce buffers of the largest unit, the root's), which a simulated rank's
+  // collectives, over at once, never hold.
   const double peak = r["memory"]["peak_live_tensor_bytes"].get<double>() - r["memory"]["live_before_model"].get<double>();
-  EXPECT_NEAR(peak, r["memory"]["plan_bytes"].get<double>(), 0.25 * r["memory"]["plan_bytes"].get<double>()) << r.dump();
+  EXPECT_LT(peak, r["memory"]["plan_bytes"].get<double>()) << r.dump();
+  EXPECT_GT(peak, r["peak_unsharded_bytes"].get<double>()) << r.dump();
 }
 
 }  // namespace

@@ -88,13 +88,6 @@ struct MemoryBudget {
   // Activation memory per rank, which fsdp cannot know without running the model (it depends on
   // the batch, the sequence length and checkpointing): the caller's estimate, added to the plan.
   int64_t activation_bytes = 0;
-  // Of activation_bytes, those saved by the root unit's own layers after every other unit has run
-  // (a GPT's final norm, logits and loss): backward frees them first, before any other unit's
-  // backward starts. 0: the activations are taken as spread equally over the units.
-  int64_t root_activation_bytes = 0;
-  // What one unit's backward allocates for a moment besides the activations it frees (the
-  // gradients of its intermediate results, e.g. an MLP's hidden layer), the largest over units.
-  int64_t backward_workspace_bytes = 0;
   // Asynchronous checkpoints (checkpoint.h) keep a copy of this rank's shards and optimizer state
   // in host memory until it is written: counted in the plan when set. Set it where host memory is
   // what the budget holds (the CPU); on CUDA the copy is not device memory.

@@ -40,8 +40,6 @@ struct MemoryPlan {
   int64_t peak_unsharded_params = 0;
   int64_t peak_unsharded_grads = 0;
   int64_t activations = 0;  // the caller's estimate (Options::memory_budget.activation_bytes)
-  int64_t root_activations = 0;  // of which freed first, by the root's backward (root_activation_bytes)
-  int64_t backward_workspace = 0;  // a unit's transient backward buffers (backward_workspace_bytes)
   // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the
   // next step (Options::memory_budget.async_checkpoint).
   int64_t checkpoint_copy = 0;
@@ -55,10 +53,9 @@ struct MemoryPlan {
   int reduce_copies = 1, reductions_in_flight = 0;
   int64_t replica_buffer = 0;  // hybrid: what the replica all-reduce of a reduction in flight holds
 
-  // Activations and unsharded gradients together through backward: backward first runs the root's
-  // last layers (all activations alive, the root's gradients arriving) and frees root_activations;
-  // then, as it walks the units in reverse, each frees its share of the rest (taken as equal) and
-  // hands its gradients to a reduction; while a unit's backward runs, its workspace is alive too. While unit j runs, the activations of units not yet done, the root's gradients,
+  // Activations and unsharded gradients together through backward: as backward walks the units in
+  // reverse, each frees its share of the activations (taken as equal) and hands its gradients to a
+  // reduction. While unit j runs, the activations of units not yet done, the root's gradients,
   // unit j's gradients and the reduce-scatters still in flight are alive; when it is done, its
   // activations are gone and its reduce buffer is there. The largest such sum.
   int64_t backward_peak() const;
