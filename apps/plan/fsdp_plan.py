@@ -6,8 +6,9 @@ step time, for any strategy, sharding factor, world size, hosts, link bandwidths
         --batch-per-rank 1 --seq 2048 --hardware a100-roce
 
 How the step time is predicted: the schedule the runtime follows, replayed as events. Compute is
-one resource (the rank's device or cores), communication another (a FIFO of collectives, as on
-fsdp's communication stream). Forward: each unit's all-gather is issued when the unit is reached
+one resource (the rank's device or cores), communication two more (a FIFO of the collectives
+that cross host links, and one of those that stay inside a host: a hybrid strategy's shard
+group works beside its replica group). Forward: each unit's all-gather is issued when the unit is reached
 (or one unit ahead with forward prefetch), and its forward waits for it. Backward: with
 BACKWARD_PRE prefetch the next unit's all-gather is issued before the current unit's gradient
 computation; each unit's reduce-scatter (and, with replicas, the all-reduce of its shard) is
@@ -133,15 +134,18 @@ def simulate(model, args, compute, net):
     reshard = strategy in ("full_shard", "hybrid_shard")
     replicas = W // F if F > 1 else W
     link_bytes = 0.0
-    comm_free = 0.0
+    # Two FIFOs: collectives that cross host links queue for them; those inside a host (a hybrid
+    # strategy's shard group) run beside them, as their process groups' threads do.
+    free = {"inter": 0.0, "intra": 0.0}
     in_flight_gathers = []
 
     def comm(t_issue, duration, bytes_on_link):
-        nonlocal comm_free, link_bytes
-        start = max(t_issue, comm_free)
-        comm_free = start + duration
+        nonlocal link_bytes
+        channel = "inter" if bytes_on_link > 0 else "intra"
+        start = max(t_issue, free[channel])
+        free[channel] = start + duration
         link_bytes += bytes_on_link
-        return comm_free
+        return free[channel]
 
     t = 0.0
     exposed = 0.0
