@@ -134,7 +134,9 @@ std::shared_ptr<Mesh> Mesh::simulated(int world_size, int rank, int local_world_
 std::shared_ptr<Mesh> Mesh::single_process() {
   auto state = std::make_unique<detail::MeshState>();
   state->store = c10::make_intrusive<c10d::HashStore>();
-  state->gloo_interface = detail::choose_gloo_interface(state->env);
+  // Alone: nothing to reach, whatever GLOO_SOCKET_IFNAME says.
+  state->gloo_interface.address = "127.0.0.1";
+  state->gloo_interface.reason = "a single process";
   state->world = state->make_group("world", 0, 1, c10::DeviceType::CPU);
   return std::shared_ptr<Mesh>(new Mesh(std::move(state)));
 }
@@ -204,7 +206,7 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
       }
     } catch (const std::exception&) {
       throw std::runtime_error("fsdp: rank " + std::to_string(env.rank) + " lost the store at " + where +
-                               " while waiting for the other ranks: rank 0 exited. (" + e.what() + ")");
+                               " while waiting for the other ranks: rank 0 exited. (" + first_line(e.what()) + ")");
     }
     throw std::runtime_error("fsdp: " + std::to_string(count) + " of " + mine + " ranks never arrived at " + where +
                              " within " + secs + " s: rank" + (count > 1 ? "s " : " ") + missing +

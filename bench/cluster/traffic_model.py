@@ -124,9 +124,7 @@ def predict(rows, W, G, F, strategy, clip=True, mtu=1500):
             if m is None:
                 continue
             offset, msgs, each = m
-            group = next(g for g in groups(kind, W, F if kind != "replicate" else F) if r in g)
-            if kind == "world":
-                group = list(range(W))
+            group = next(g for g in groups(kind, W, F) if r in g)
             dst = group[(group.index(r) + offset) % n]
             if host_of(dst) != host_of(r):
                 links.add(host_of(r), host_of(dst), count * msgs, each)
