@@ -263,6 +263,20 @@ TEST(Memory, SimulatedRankOfASixtyFourRankJob) {
   const double peak = r["memory"]["peak_live_tensor_bytes"].get<double>() - r["memory"]["live_before_model"].get<double>();
   EXPECT_LT(peak, r["memory"]["plan_bytes"].get<double>()) << r.dump();
   EXPECT_GT(peak, r["peak_unsharded_bytes"].get<double>()) << r.dump();
+
+  // Where a whole step would take too long: time 2 of the 12 blocks, keep the whole model's plan,
+  // and estimate the step's compute from the sample.
+  const auto sample = train("sim64-sample", "--model 200m --block-size 64 --steps 3 --global-batch-size 64 "
+                                            "--strategy full_shard --simulate-rank 63 --world-size 64 --ranks-per-node 8 "
+                                            "--simulate-layers 2",
+                            600);
+  ASSERT_EQ(sample.run.exit_code, 0) << sample.run.output;
+  EXPECT_NE(sample.run.output.find("SIMULATED: timed 2 of 12 blocks: median step"), std::string::npos) << sample.run.output;
+  EXPECT_NE(sample.run.output.find("would compute for about"), std::string::npos) << sample.run.output;
+  const json& s = sample.rows.back();
+  EXPECT_EQ(s["memory"]["plan_bytes"], r["memory"]["plan_bytes"]) << "the plan is the whole model's";
+  EXPECT_LT(s["param_bytes_resident"].get<double>(), r["param_bytes_resident"].get<double>());
+  EXPECT_EQ(s["simulated_layers"]["of"], 12);
 }
 
 }  // namespace

@@ -75,6 +75,10 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--ranks-per-node", c.plan_local,
                  "--plan and --simulate-rank: ranks per node (the hybrid strategies' default F)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--simulate-layers", c.simulate_layers,
+                 "--simulate-rank: build and time only N of the model's blocks, and estimate the whole step's compute "
+                 "from them (the memory plan stays the whole model's)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--simulate-rank", c.simulate_rank,
                  "run only this rank of a --world-size job in this process, every collective a stand-in: its real "
                  "memory peaks and compute time, before booking the cluster (losses are not trained results)")

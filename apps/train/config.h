@@ -64,6 +64,10 @@ struct Config {
   // Run only this rank of a --world-size job, with stand-in collectives (Mesh::simulated): a
   // pre-flight check of one rank's memory and compute time. -1: a real run.
   int simulate_rank = -1;
+  // With simulate_rank: build and time only this many of the model's blocks (a sample, where a
+  // whole step of the simulated rank would take too long here); the memory plan stays the whole
+  // model's, and the whole step's compute time is estimated from the sample by FLOPs. 0: all.
+  int simulate_layers = 0;
 };
 
 // Parses argv into `c`. Returns an exit code when the program should stop (help, a bad flag).

@@ -1,5 +1,6 @@
 // fsdp-train's training run (one rank): builds the GPT, wraps it (or not, with --local), and runs
 // the loop: zero_grad, forward, backward (scaled with fp16), clip, step, log.
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -63,6 +64,13 @@ fsdp::MemoryPlan local_plan(torch::nn::Module& meta, const fsdp::Options& sharde
   return plan;
 }
 
+// Training FLOPs per token of the GPT (forward and backward: 3 x the forward's 2 per weight, and
+// attention's two T x d products per layer), to scale a sample of blocks to the whole model.
+double train_flops_per_token(const models::GPTConfig& g) {
+  const double d = static_cast<double>(g.d_model), L = static_cast<double>(g.n_layer);
+  return 6.0 * (12.0 * L * d * d + static_cast<double>(g.vocab_size) * d) + 12.0 * L * static_cast<double>(g.block_size) * d;
+}
+
 }  // namespace
 
 int train(const Config& c) {
@@ -107,7 +115,16 @@ int train(const Config& c) {
   }
 
   auto data = models::TokenSource::from_path(c.data);
-  const auto cfg = model_config(c, data);
+  const auto full_cfg = model_config(c, data);
+  auto cfg = full_cfg;  // what this process builds: the whole model, or a simulated rank's sample of its blocks
+  if (c.simulate_layers > 0) {
+    if (!simulated) throw std::invalid_argument("--simulate-layers samples the blocks of a --simulate-rank run");
+    if (c.simulate_layers >= full_cfg.n_layer) {
+      throw std::invalid_argument("--simulate-layers " + std::to_string(c.simulate_layers) + " is not below the model's " +
+                                  std::to_string(full_cfg.n_layer) + " blocks; drop it to run them all");
+    }
+    cfg.n_layer = c.simulate_layers;
+  }
   if (c.local && c.init == "deferred") throw std::invalid_argument("--init deferred needs fsdp; drop --local");
   torch::Device device(torch::kCPU);
   if (c.device == "cuda") {
@@ -116,7 +133,7 @@ int train(const Config& c) {
     // NCCL talks to the current device: make it this rank's.
     c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
   }
-  fsdp::Options options = fsdp_options(c, cfg, W);
+  fsdp::Options options = fsdp_options(c, full_cfg, W);
   // The paper's way to build a sharded model (§3.1): deferred, then materialized unit by unit as
   // shards, so no rank ever holds the whole model. Its values are bit for bit those of a normal
   // construction from the same seed. The plan, from a meta model, says whether it is sharded;
@@ -124,7 +141,7 @@ int train(const Config& c) {
   bool deferred = false;
   fsdp::MemoryPlan plan;
   {
-    auto meta = fsdp::meta_init([&] { return models::GPT(cfg); });
+    auto meta = fsdp::meta_init([&] { return models::GPT(full_cfg); });  // the whole model's plan
     if (c.local) {
       plan = local_plan(*meta, options);
       const int64_t budget = fsdp::memory_budget_bytes(options, device, 1);
@@ -210,6 +227,7 @@ int train(const Config& c) {
   JsonlWriter metrics_out(c.metrics_jsonl);
   const int64_t per_rank = c.global_batch / W;
   const double tokens_per_step = static_cast<double>(c.global_batch * cfg.block_size);
+  std::vector<double> sampled_step_ms;  // --simulate-layers: the steps after the first
   std::optional<MemoryTimeline> timeline;
   if (!c.memory_timeline.empty()) timeline.emplace(device);
   for (int step = start_step; step < c.steps; ++step) {
@@ -311,6 +329,10 @@ int train(const Config& c) {
     }
     nlohmann::json record = to_json(r);
     if (simulated) record["simulated"] = true;  // not a trained result
+    if (c.simulate_layers > 0) {
+      record["simulated_layers"] = {{"built", cfg.n_layer}, {"of", full_cfg.n_layer}};
+      if (step > start_step) sampled_step_ms.push_back(r.step_ms);
+    }
     if (checkpointer && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
       // The batches are a function of the step, so the step is the data position.
       const auto s0 = std::chrono::steady_clock::now();
@@ -333,6 +355,20 @@ int train(const Config& c) {
     if (prints && (step % c.log_every == 0 || step == c.steps - 1)) {
       std::cout << (simulated ? "[SIMULATED] " : "") << progress_line(r, trainee->is_sharded(), device.is_cuda())
                 << std::endl;
+    }
+  }
+  if (c.simulate_layers > 0) {
+    if (sampled_step_ms.empty()) {
+      std::cout << "fsdp-train: SIMULATED: run at least 2 steps to time the sample of blocks (the first warms up)" << std::endl;
+    } else {
+      std::sort(sampled_step_ms.begin(), sampled_step_ms.end());
+      const double median = sampled_step_ms[sampled_step_ms.size() / 2];
+      const double scale = train_flops_per_token(full_cfg) / train_flops_per_token(cfg);
+      std::cout << "fsdp-train: SIMULATED: timed " << cfg.n_layer << " of " << full_cfg.n_layer
+                << " blocks: median step " << static_cast<int64_t>(median) << " ms; the whole model's step "
+                << "would compute for about " << static_cast<int64_t>(median * scale) << " ms on this device (x"
+                << scale << " by FLOPs; no communication). The memory plan (plan_bytes) is the whole model's; the "
+                << "measured peaks are the sample's." << std::endl;
     }
   }
   if (checkpointer) checkpointer->wait();
