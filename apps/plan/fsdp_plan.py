@@ -17,7 +17,7 @@ in flight; the step ends when the last reduction is done and the optimizer has s
 A collective's time: the bytes on its busiest link (ring algorithms; Gloo's reduce-scatter is an
 all-reduce of the whole input, NCCL's is a ring reduce-scatter) over that link's bandwidth, plus
 a per-message latency. Compute per unit comes from a calibration (per-unit forward and backward
-times measured on the target device: bench/cluster/calibrate) or from FLOPs at a stated
+times measured on the target device, as bench/cluster/planner_check measures them) or from FLOPs at a stated
 throughput (--tflops, --mfu).
 """
 
