@@ -52,6 +52,15 @@ inline Run sh(const std::string& cmd, int timeout_s = 300) {
   return r;
 }
 
+// One JSON object per line (fsdp-train's --metrics-jsonl); none if the file is missing.
+inline std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::vector<nlohmann::json> rows;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
+
 inline nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("missing result file " + path);

@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <fstream>
 
 #include "dist_test_util.h"
 
@@ -25,13 +24,7 @@ const std::string kTraffic = std::string(FSDP_SOURCE_DIR) + "/bench/cluster/traf
 
 std::string train_bin() { return fsdp_test::bin_dir() + "/fsdp-train"; }
 
-std::vector<json> read_jsonl(const std::string& path) {
-  std::vector<json> rows;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) rows.push_back(json::parse(line));
-  return rows;
-}
+using fsdp_test::read_jsonl;
 
 // The script's exit code 77 means it cannot make namespaces here (not root, no iproute2).
 #define SKIP_WITHOUT_NAMESPACES()                                                                          \

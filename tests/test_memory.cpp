@@ -14,13 +14,7 @@ namespace {
 
 using json = nlohmann::json;
 
-std::vector<json> read_jsonl(const std::string& path) {
-  std::vector<json> rows;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) rows.push_back(json::parse(line));
-  return rows;
-}
+using fsdp_test::read_jsonl;
 
 struct TrainRun {
   fsdp_test::Run run;

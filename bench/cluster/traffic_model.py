@@ -21,6 +21,11 @@ Besides fsdp's collectives, fsdp-train all-reduces its loss (one float) over the
 """
 
 import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "apps", "plan"))
+from fsdp_plan import groups_of  # noqa: E402  (fsdp's mesh: shard and replica groups)
 
 MIB = 1 << 20
 HEADERS = 66          # Ethernet + IPv4 + TCP with timestamps
@@ -31,11 +36,8 @@ ACK_EVERY = 2         # delayed ACK: one per two full segments
 
 def groups(kind, W, F):
     """The process groups a collective runs over, each a list of global ranks in group order."""
-    if kind == "shard":
-        return [list(range(s * F, (s + 1) * F)) for s in range(W // F)]
-    if kind == "replicate":
-        return [list(range(p, W, F)) for p in range(F)]
-    return [list(range(W))]
+    shard, replicate = groups_of(W, F)
+    return {"shard": shard, "replicate": replicate}.get(kind, [list(range(W))])
 
 
 def messages(op, n, M):
