@@ -36,6 +36,11 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   return (n_layer * per_block + head) * element_size;
 }
 
+int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
+  const int64_t tokens = batch * seq_len;
+  return (tokens * d_model + 2 * tokens * vocab_size) * element_size;
+}
+
 GPTConfig GPTConfig::preset(const std::string& name) {
   // {vocab, block, layers, heads, d_model}
   static const std::map<std::string, GPTConfig> presets = {

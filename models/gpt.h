@@ -23,6 +23,9 @@ struct GPTConfig {
   // autograd saves for backward, plus the loss's gradient buffers. Counted from forward() below;
   // the memory tests hold it (inside the plan) against the measured peak.
   int64_t activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
+  // Of those, the head's (ln_f's output, the log-softmax's output and the loss's gradient of its
+  // size): what backward frees first (fsdp::MemoryBudget::head_activation_bytes).
+  int64_t head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
 
   // "tiny", "small", "default", "medium", "large" (50 M), "1b", "175b". Throws std::invalid_argument otherwise.
   static GPTConfig preset(const std::string& name);

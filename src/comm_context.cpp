@@ -62,7 +62,7 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
   if (kind != CommKind::SEQUENCE_CHECK) {
     for (int64_t v : {static_cast<int64_t>(kind), static_cast<int64_t>(over), static_cast<int64_t>(unit), b.out.numel(),
                       static_cast<int64_t>(b.out.scalar_type())}) {
-      sequence_hash_ = mix(sequence_hash_, v);
+      sequence_hash_[static_cast<size_t>(over)] = mix(sequence_hash_[static_cast<size_t>(over)], v);
     }
   }
   Span s;
@@ -88,8 +88,11 @@ std::string CommContext::describe(const InFlight& f) const {
 }
 
 uint64_t CommContext::take_sequence_hash() {
-  const uint64_t h = sequence_hash_;
-  sequence_hash_ = 1469598103934665603ULL;
+  uint64_t h = kHashSeed;
+  for (uint64_t& g : sequence_hash_) {
+    h = mix(h, static_cast<int64_t>(g));
+    g = kHashSeed;
+  }
   return h;
 }
 

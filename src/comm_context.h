@@ -13,6 +13,8 @@
 // the overlapping.
 #pragma once
 
+#include <array>
+
 #include <functional>
 #include <optional>
 #include <string>
@@ -79,8 +81,12 @@ class CommContext {
   // Whether it has finished, without blocking.
   bool done(const InFlight& f) const;
 
-  // A running hash of the collectives issued since the last call (kind, group, unit, size, dtype),
-  // which must be equal on every rank: a difference means ranks took different paths.
+  // A hash of the collectives issued since the last call (kind, group, unit, size, dtype), which
+  // must be equal on every rank: a difference means ranks took different paths. One running hash
+  // per group: a group's collectives must come in the same order on every rank, but how two
+  // groups' interleave depends on timing (on CPU a replica all-reduce is issued when its
+  // reduce-scatter is seen done, between two other units' reduce-scatters on one rank and after
+  // both on another).
   uint64_t take_sequence_hash();
 
  private:
@@ -93,7 +99,8 @@ class CommContext {
   CommBytes bytes_;
   std::vector<std::string> unit_names_;
   bool backward_pass_ = false;
-  uint64_t sequence_hash_ = 1469598103934665603ULL;
+  static constexpr uint64_t kHashSeed = 1469598103934665603ULL;
+  std::array<uint64_t, 3> sequence_hash_{kHashSeed, kHashSeed, kHashSeed};  // by Over
 };
 
 }  // namespace fsdp

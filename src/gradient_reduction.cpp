@@ -96,7 +96,13 @@ void GradientReduction::begin(bool no_sync) {
   r.got = std::move(got);
   if (mesh.shard_size > 1) {
     r.reduce_scatter = comm_.issue(CommKind::REDUCE_SCATTER, Over::SHARD_GROUP, index_, "gradients", [&] {
-      r.output = at::empty({layout.shard_numel()}, flat.options());  // on the reduce-scatter stream
+      if (flat.is_cpu()) {
+        // In place: the output is this rank's slot of the input (see reduce_scatter_sum), copied
+        // out when the input is freed.
+        r.output = flat.narrow(0, mesh.shard_rank * layout.shard_numel(), layout.shard_numel());
+      } else {
+        r.output = at::empty({layout.shard_numel()}, flat.options());  // on the reduce-scatter stream
+      }
       return Buffers{r.output, r.input};
     });
   } else {
@@ -137,7 +143,10 @@ int64_t GradientReduction::complete_reduce_scatter() {
 }
 
 void GradientReduction::release_input(Pending& r) {
-  if (r.output.defined() && r.input.defined() && !r.input.is_same(r.output)) r.input = at::Tensor();
+  if (!r.output.defined() || !r.input.defined() || r.input.is_same(r.output)) return;
+  // An in-place reduce-scatter's output is a slot of its input: keep only the slot.
+  if (r.output.storage().is_alias_of(r.input.storage())) r.output = r.output.clone();
+  r.input = at::Tensor();
 }
 
 int64_t GradientReduction::finish() {

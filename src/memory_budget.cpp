@@ -172,6 +172,7 @@ std::string explain_over_budget(torch::nn::Module& model, const MemoryPlan& plan
   }
   MemoryPlan without = plan;
   without.activations = 0;
+  without.head_activations = 0;
   if (plan.activations > 0 && without.total() < budget) {
     out << "Would fit: a smaller batch or sequence (the activations estimate is " << format_bytes(plan.activations)
         << "; the rest needs " << format_bytes(without.total()) << ").\n";

@@ -75,6 +75,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     plan.peak_unsharded_params = all_unsharded;
   }
   plan.activations = options.memory_budget.activation_bytes;
+  plan.head_activations = std::min(options.memory_budget.head_activation_bytes, plan.activations);
   if (options.memory_budget.async_checkpoint) plan.checkpoint_copy = plan.sharded_params + plan.adam_state;
   plan.backward_units = std::max<int>(1, static_cast<int>(nonroot_bytes.size()));
   plan.unit_grads = largest_compute_bytes;
@@ -82,25 +83,25 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   plan.root_grads = root_compute_bytes;
   // With F = 1 a reduce buffer becomes the gradient shard: nothing stays in flight besides it.
   plan.reductions_in_flight = F > 1 ? kMaxReductionsInFlight : 0;
-  plan.reduce_copies = device == c10::kCUDA ? 1 : 2;
   // With replicas, the all-reduce of a reduce-scatter's output works in a buffer of its size.
   plan.replica_buffer = (F > 1 && W / F > 1) ? largest_shard_reduce_bytes : 0;
   // A unit's unsharded gradients (compute dtype) while they are flattened into its reduce buffer,
   // and the reduce-scatters still in flight.
-  plan.peak_unsharded_grads = plan.unit_grads + plan.reduce_buffer * (1 + plan.reductions_in_flight * plan.reduce_copies);
+  plan.peak_unsharded_grads = plan.unit_grads + plan.reduce_buffer * (1 + plan.reductions_in_flight);
   return plan;
 }
 
 int64_t MemoryPlan::backward_peak() const {
   const int n = std::max(1, backward_units);
-  int64_t peak = 0;
+  const int64_t spread = activations - head_activations;  // the units' own, freed unit by unit
+  // The head's backward: nothing freed yet, the root's gradients arriving.
+  int64_t peak = activations + root_grads;
   for (int j = 0; j < n; ++j) {
-    const int64_t in_flight =
-        static_cast<int64_t>(std::min(j, reductions_in_flight)) * (reduce_copies * reduce_buffer + replica_buffer);
+    const int64_t in_flight = static_cast<int64_t>(std::min(j, reductions_in_flight)) * (reduce_buffer + replica_buffer);
     // While unit j runs its backward: its activations still held, its gradients accumulating.
-    const int64_t during = activations * (n - j) / n + root_grads + unit_grads + in_flight;
+    const int64_t during = spread * (n - j) / n + root_grads + unit_grads + in_flight;
     // When its backward is over: its activations freed, its gradients flattened into the buffer.
-    const int64_t after = activations * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
+    const int64_t after = spread * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
     peak = std::max({peak, during, after});
   }
   return peak;

@@ -125,6 +125,7 @@ fsdp::Options fsdp_options(const Config& c, const models::GPTConfig& cfg, int wo
   const int64_t micro_batch = c.global_batch / world_size / std::max(1, c.grad_accum);
   const int64_t element = opts.mixed_precision ? c10::elementSize(opts.mixed_precision->param_dtype) : 4;
   opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, element);
+  opts.memory_budget.head_activation_bytes = cfg.head_activation_bytes(micro_batch, cfg.block_size, element);
   return opts;
 }
 

@@ -2,6 +2,7 @@
 // the loop: zero_grad, forward, backward (scaled with fp16), clip, step, log.
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -106,6 +107,10 @@ int train(const Config& c) {
   if ((!c.trace_dir.empty() || !c.memory_timeline.empty()) && c.trace_step >= c.steps) {
     throw std::invalid_argument("--trace-step " + std::to_string(c.trace_step) + " is not below --steps " +
                                 std::to_string(c.steps) + "; pick a step that runs");
+  }
+  // The output folders exist before the first step, so a bad path fails now rather than after it.
+  for (const std::string& dir : {c.trace_dir, c.memory_timeline}) {
+    if (!dir.empty()) std::filesystem::create_directories(dir);
   }
   if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
   if (c.local && c.mixed_precision != "none") throw std::invalid_argument("--mixed-precision needs fsdp; drop --local");

@@ -88,6 +88,11 @@ struct MemoryBudget {
   // Activation memory per rank, which fsdp cannot know without running the model (it depends on
   // the batch, the sequence length and checkpointing): the caller's estimate, added to the plan.
   int64_t activation_bytes = 0;
+  // Of activation_bytes, what the computation after the last unit that is not the root holds (a
+  // language model's head: its logits, their log-softmax and the loss's gradient of that size):
+  // backward frees it first, before any unit's backward starts. 0: all activations are taken as
+  // spread evenly over the units.
+  int64_t head_activation_bytes = 0;
   // Asynchronous checkpoints (checkpoint.h) keep a copy of this rank's shards and optimizer state
   // in host memory until it is written: counted in the plan when set. Set it where host memory is
   // what the budget holds (the CPU); on CUDA the copy is not device memory.

@@ -43,18 +43,20 @@ struct MemoryPlan {
   // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the
   // next step (Options::memory_budget.async_checkpoint).
   int64_t checkpoint_copy = 0;
+  int64_t head_activations = 0;  // of `activations`, the head's (freed first in backward)
   // What backward's peak is made of (backward_peak()): the units backward walks through, the
-  // largest unit's unsharded gradients in the compute dtype and its reduce buffer, the root's
-  // gradients (they stay until the end of backward), how many copies of a reduce buffer a
-  // reduce-scatter in flight holds (2 on the CPU: Gloo reduces a flattened copy of its input; 1 on
-  // CUDA), and how many may be in flight besides the newest (0 without reduce-scatters, F = 1).
+  // largest unit's unsharded gradients in the compute dtype and its reduce buffer (a reduce-scatter
+  // in flight holds it: in place on the CPU, where Gloo would reduce a copy), the root's gradients
+  // (they stay until the end of backward), and how many reductions may be in flight besides the
+  // newest (0 without reduce-scatters, F = 1).
   int backward_units = 1;
   int64_t unit_grads = 0, reduce_buffer = 0, root_grads = 0;
-  int reduce_copies = 1, reductions_in_flight = 0;
+  int reductions_in_flight = 0;
   int64_t replica_buffer = 0;  // hybrid: what the replica all-reduce of a reduction in flight holds
 
-  // Activations and unsharded gradients together through backward: as backward walks the units in
-  // reverse, each frees its share of the activations (taken as equal) and hands its gradients to a
+  // Activations and unsharded gradients together through backward. First the head's backward:
+  // every activation and the root's gradients. Then, as backward walks the units in reverse, each
+  // frees its share of the other activations (taken as equal) and hands its gradients to a
   // reduction. While unit j runs, the activations of units not yet done, the root's gradients,
   // unit j's gradients and the reduce-scatters still in flight are alive; when it is done, its
   // activations are gone and its reduce buffer is there. The largest such sum.
