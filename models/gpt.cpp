@@ -1,5 +1,7 @@
 #include "models/gpt.h"
 
+#include "fsdp/activation_checkpoint.h"
+
 #include <cmath>
 #include <limits>
 #include <map>
@@ -22,23 +24,26 @@ int64_t GPTConfig::num_parameters() const {
          + 2 * d;                // ln_f
 }
 
-int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
+int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size, bool checkpointed) const {
   const int64_t tokens = batch * seq_len, d = d_model, T = seq_len;
   // Saved per block, in units of tokens x d: ln1's output (qkv's input) 1, qkv's output (q, k and
   // v are views of it) 3, the attention's output before proj 1, the residual h 1, ln2's output 1,
   // fc's output (gelu's input) 4, gelu's output (proj's input) 4, the block's output (the next
   // block's input) 1; and the softmax's output, batch x heads x T x T.
   const int64_t per_block = 16 * tokens * d + batch * n_head * T * T;
-  // Embeddings' sum 1 and ln_f's output 1 (tokens x d); log_softmax's output (tokens x vocab) and,
-  // at the start of backward, one gradient of that size beside it (a second one exists only for
-  // an instant, before the saved output is freed: measured, counting it overstates the peak).
-  const int64_t head = 2 * tokens * d + 2 * tokens * vocab_size;
-  return (n_layer * per_block + head) * element_size;
+  // The embeddings' sum (the first block's input), tokens x d, and the head's peak.
+  const int64_t head = head_activation_bytes(batch, seq_len, element_size);
+  // Checkpointed blocks keep only their input (the previous block's output, counted already), and
+  // one block's activations exist again while backward recomputes it.
+  if (checkpointed) return ((n_layer + 1) * tokens * d + per_block) * element_size + head;
+  return (n_layer * per_block + tokens * d) * element_size + head;
 }
 
 int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
+  // ln_f's output (tokens x d) and log_softmax's output (tokens x vocab), and while the loss's
+  // backward runs, the gradients of the log-probabilities and of the logits beside it.
   const int64_t tokens = batch * seq_len;
-  return (tokens * d_model + 2 * tokens * vocab_size) * element_size;
+  return (tokens * d_model + 3 * tokens * vocab_size) * element_size;
 }
 
 GPTConfig GPTConfig::preset(const std::string& name) {
@@ -171,7 +176,11 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   TORCH_CHECK(T <= cfg.block_size, "sequence length ", T, " exceeds block_size ", cfg.block_size);
   auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
   auto x = tok_emb(idx) + pos_emb(pos);  // [B, T, d] + [T, d]
-  for (size_t i = 0; i < blocks->size(); ++i) x = blocks[i]->as<BlockImpl>()->forward(x);
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    BlockImpl* block = blocks[i]->as<BlockImpl>();
+    // Recomputed in backward when fsdp::apply_activation_checkpointing marked the block.
+    x = fsdp::checkpointable(*block, [block](const torch::Tensor& h) { return block->forward(h); }, x);
+  }
   return head(ln_f(x));
 }
 

@@ -1,5 +1,6 @@
 // GPT-style decoder and a small irregular MLP, written the ordinary libtorch way (typed members,
-// TORCH_MODULE holders). Nothing here knows about sharding or distribution.
+// TORCH_MODULE holders). Nothing here knows about sharding or distribution; the blocks may be
+// checkpointed (fsdp/activation_checkpoint.h, plain libtorch autograd).
 #pragma once
 
 #include <torch/torch.h>
@@ -21,10 +22,11 @@ struct GPTConfig {
   // Bytes of activations one training step of a batch of `batch` sequences of `seq_len` tokens
   // holds at its peak (the start of backward), in a compute dtype of `element_size` bytes: what
   // autograd saves for backward, plus the loss's gradient buffers. Counted from forward() below;
-  // the memory tests hold it (inside the plan) against the measured peak.
-  int64_t activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
-  // Of those, the head's (ln_f's output, the log-softmax's output and the loss's gradient of its
-  // size): what backward frees first (fsdp::MemoryBudget::head_activation_bytes).
+  // the memory tests hold it (inside the plan) against the measured peak. `checkpointed`: every
+  // block under activation checkpointing (fsdp/activation_checkpoint.h).
+  int64_t activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size, bool checkpointed = false) const;
+  // Of those, the head's (ln_f's output, the log-softmax's output and, in the loss's backward, the
+  // two gradients of that size): what backward frees first (fsdp::MemoryBudget::head_activation_bytes).
   int64_t head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const;
 
   // "tiny", "small", "default", "medium", "large" (50 M), "1b", "175b". Throws std::invalid_argument otherwise.

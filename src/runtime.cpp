@@ -208,12 +208,21 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
       // Whether backward will come is autograd's to say: an operator that records a graph node
       // (grad mode on and an input requiring grad) may save this unit's tensors for backward.
       if (builds_graph) backward_pending_ = true;
-      if (c10::GradMode::is_enabled()) units_[u]->expect_grad(tensor);
+      if (c10::GradMode::is_enabled()) {
+        units_[u]->expect_grad(tensor);
+      } else if (touch::checkpointed_forward()) {
+        // Checkpointed (activation_checkpoint.h): no graph now, but the recomputation will build
+        // one through this parameter. Expect its gradient as a graph would, and keep the node
+        // that will accumulate it alive with the checkpoint, as a graph would.
+        touch::keep_alive_with_checkpoint(units_[u]->expect_grad(tensor));
+      }
       break;
     }
     case Phase::FORWARD_DONE:
     case Phase::BACKWARD:
       backward_needs(u);
+      // A checkpointed forward recomputed: the graph it builds accumulates into this parameter.
+      if (touch::recomputing() && c10::GradMode::is_enabled()) units_[u]->expect_grad(tensor);
       break;
     case Phase::IDLE:
       // A retained graph backwarded again (the callback stays armed for it): a backward of its own.

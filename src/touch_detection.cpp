@@ -27,10 +27,15 @@ bool g_enabled = false;
 
 thread_local bool t_in_callback = false;     // our own collectives and copies run operators too
 thread_local bool t_forward_thread = false;
+thread_local CheckpointScope::Kind t_checkpoint = CheckpointScope::NONE;
+thread_local std::vector<std::shared_ptr<void>>* t_keep_alive = nullptr;
 
 // Whether the operator will record an autograd node: grad mode on and an input that requires grad.
 bool builds_graph(const at::RecordFunction& fn) {
-  if (!t_forward_thread || !c10::GradMode::is_enabled()) return false;
+  if (!t_forward_thread) return false;
+  // Without grad mode, but the checkpoint's node will recompute this operator in backward.
+  if (t_checkpoint == CheckpointScope::FORWARD) return true;
+  if (!c10::GradMode::is_enabled()) return false;
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) {
       if (v.toTensor().requires_grad()) return true;
@@ -126,6 +131,24 @@ Suppress::Suppress() : previous_(t_in_callback) { t_in_callback = true; }
 Suppress::~Suppress() { t_in_callback = previous_; }
 
 void set_forward_thread(bool on) { t_forward_thread = on; }
+
+CheckpointScope::CheckpointScope(Kind kind, std::vector<std::shared_ptr<void>>* keep_alive)
+    : previous_kind_(t_checkpoint), previous_keep_(t_keep_alive) {
+  t_checkpoint = kind;
+  t_keep_alive = keep_alive;
+}
+
+CheckpointScope::~CheckpointScope() {
+  t_checkpoint = previous_kind_;
+  t_keep_alive = previous_keep_;
+}
+
+bool checkpointed_forward() { return t_checkpoint == CheckpointScope::FORWARD; }
+bool recomputing() { return t_checkpoint == CheckpointScope::RECOMPUTE; }
+
+void keep_alive_with_checkpoint(std::shared_ptr<void> node) {
+  if (t_checkpoint == CheckpointScope::FORWARD && t_keep_alive) t_keep_alive->push_back(std::move(node));
+}
 
 bool in_root_pass() {
   return t_forward_thread || t_in_callback || torch::autograd::get_current_graph_task_id() != -1;

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
+#include <vector>
 
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
@@ -37,6 +39,30 @@ void set_forward_thread(bool on);
 // Whether the calling thread is in a root's forward, in a backward (an autograd graph task), or in
 // the runtime's own work.
 bool in_root_pass();
+
+// Activation checkpointing (fsdp/activation_checkpoint.h) on this thread, which the runtime must
+// know about: a checkpointed forward runs without grad mode, yet backward will come back for the
+// units it touches (so its operators count as building a graph, and the units expect their
+// gradients); a recomputation in backward touches units the way their forward did.
+class CheckpointScope {
+ public:
+  enum Kind { NONE, FORWARD, RECOMPUTE };
+  // `keep_alive`: for FORWARD, where the nodes that accumulate the touched parameters' gradients
+  // are kept for as long as the checkpoint can be backwarded (a graph would hold them).
+  CheckpointScope(Kind kind, std::vector<std::shared_ptr<void>>* keep_alive = nullptr);
+  ~CheckpointScope();
+  CheckpointScope(const CheckpointScope&) = delete;
+  CheckpointScope& operator=(const CheckpointScope&) = delete;
+ private:
+  Kind previous_kind_;
+  std::vector<std::shared_ptr<void>>* previous_keep_;
+};
+// In a checkpointed forward that will be backwarded (grad mode was on at the call).
+bool checkpointed_forward();
+// Recomputing a checkpointed forward in backward.
+bool recomputing();
+// In a checkpointed forward: keeps `node` alive with the checkpoint.
+void keep_alive_with_checkpoint(std::shared_ptr<void> node);
 
 // While alive, operators run by this thread are not inspected: the runtime's own work (collectives,
 // copies into its buffers) must not be mistaken for the model touching a unit.

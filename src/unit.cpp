@@ -71,12 +71,12 @@ void Unit::end_iteration(bool keep_expected) {
   expected_count_ = 0;
 }
 
-void Unit::expect_grad(const c10::TensorImpl* tensor) {
+std::shared_ptr<torch::autograd::Node> Unit::expect_grad(const c10::TensorImpl* tensor) {
   auto it = param_index_.find(tensor);
-  if (it == param_index_.end()) return;
+  if (it == param_index_.end()) return nullptr;
   const size_t i = it->second;
   const at::Tensor& p = handle_.params()[i];
-  if (!p.requires_grad()) return;
+  if (!p.requires_grad()) return nullptr;
   if (!expected_[i]) {
     expected_[i] = true;
     ++expected_count_;
@@ -85,9 +85,10 @@ void Unit::expect_grad(const c10::TensorImpl* tensor) {
   // would make the same one a moment later).
   const std::shared_ptr<torch::autograd::Node> node = torch::autograd::impl::grad_accumulator(p);
   for (const auto& ref : graph_refs_) {
-    if (!ref.owner_before(node) && !node.owner_before(ref)) return;  // already noted
+    if (!ref.owner_before(node) && !node.owner_before(ref)) return node;  // already noted
   }
   graph_refs_.emplace_back(node);
+  return node;
 }
 
 bool Unit::graph_alive() const {

@@ -62,7 +62,8 @@ class Unit {
   // Forward touched `tensor` with grad mode on: if it is one of this unit's parameters that
   // requires grad, backward will accumulate its gradient, and the graph being built holds the
   // parameter's AccumulateGrad node (kept here weakly: while one lives, a backward can come).
-  void expect_grad(const c10::TensorImpl* tensor);
+  // Returns that node (null when `tensor` is not such a parameter).
+  std::shared_ptr<torch::autograd::Node> expect_grad(const c10::TensorImpl* tensor);
   bool graph_alive() const;
   // The nodes noted since the last call (a retained graph's outlive its iteration).
   std::vector<std::weak_ptr<torch::autograd::Node>> take_graph_refs();

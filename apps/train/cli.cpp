@@ -41,6 +41,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--trace", c.trace_dir, "write each rank's Chrome trace (trace-rank<r>.json) of one step to this folder");
   app.add_option("--trace-step", c.trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--activation-checkpointing", c.activation_checkpointing,
+               "keep only each block's input in forward and recompute the block in backward (less activation memory, "
+               "one more forward of the blocks)");
   app.add_option("--mixed-precision", c.mixed_precision, "none, bf16 or fp16 (fp16 adds the sharded gradient scaler)")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_flag("--sync-module-states", c.sync_module_states, "broadcast rank 0's initial weights to every rank");
@@ -124,7 +127,7 @@ fsdp::Options fsdp_options(const Config& c, const models::GPTConfig& cfg, int wo
   fsdp::Options opts = fsdp_options(c);
   const int64_t micro_batch = c.global_batch / world_size / std::max(1, c.grad_accum);
   const int64_t element = opts.mixed_precision ? c10::elementSize(opts.mixed_precision->param_dtype) : 4;
-  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, element);
+  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, element, c.activation_checkpointing);
   opts.memory_budget.head_activation_bytes = cfg.head_activation_bytes(micro_batch, cfg.block_size, element);
   return opts;
 }

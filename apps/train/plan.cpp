@@ -23,12 +23,12 @@ int plan(const Config& c) {
   // Activations of one rank's micro-batch, in the compute dtype of each plan.
   const int64_t micro_batch = std::max<int64_t>(1, c.global_batch / W / std::max(1, c.grad_accum));
   opts.mixed_precision.reset();  // planned both ways below
-  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, 4);
+  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, 4, c.activation_checkpointing);
   opts.memory_budget.head_activation_bytes = cfg.head_activation_bytes(micro_batch, cfg.block_size, 4);
   std::vector<fsdp::MemoryPlan> plans;
   plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
   opts.mixed_precision = fsdp::MixedPrecision{};  // bf16 compute and reduce, fp32 master
-  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, 2);
+  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, 2, c.activation_checkpointing);
   opts.memory_budget.head_activation_bytes = cfg.head_activation_bytes(micro_batch, cfg.block_size, 2);
   plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
   std::cout << "fsdp-train --plan: GPT '" << c.model << "' (" << cfg.n_layer << " layers, d_model " << cfg.d_model

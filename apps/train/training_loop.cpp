@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "config.h"
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/deferred_init.h"
 #include "fsdp/grad_scaler.h"
@@ -163,6 +164,9 @@ int train(const Config& c) {
   const int64_t live_before_model = fsdp::process_memory().live_tensor_bytes;
   torch::manual_seed(c.seed);  // the same initial weights on every rank
   models::GPT model = deferred ? fsdp::deferred_init([&] { return models::GPT(cfg); }) : models::GPT(cfg);
+  if (c.activation_checkpointing) {
+    fsdp::apply_activation_checkpointing(*model, fsdp::checkpoint_modules_of_type<models::BlockImpl>());
+  }
   if (deferred) {
     options.init_device = device;
   } else if (device.is_cuda()) {

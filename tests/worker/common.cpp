@@ -145,4 +145,14 @@ InitZooImpl::InitZooImpl() {
   norm = register_module("norm", torch::nn::BatchNorm1d(16));
 }
 
+json timeline_json(const fsdp::FullyShardedDataParallelBase& sharded) {
+  json spans = json::array();
+  for (const auto& s : sharded.timeline()) {
+    spans.push_back(json{{"kind", fsdp::to_string(s.kind)}, {"unit", s.unit}, {"backward", s.backward_pass},
+                         {"begin_ns", s.begin_ns}, {"start_ns", s.start_ns}, {"end_ns", s.end_ns}, {"seq", s.seq},
+                         {"end_seq", s.end_seq}, {"bytes", s.bytes}});
+  }
+  return spans;
+}
+
 }  // namespace worker

@@ -23,12 +23,7 @@ json run_overlap(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     loss.backward();
     opt.step();
   }
-  json spans = json::array();
-  for (const auto& s : sharded.timeline()) {
-    spans.push_back(json{{"kind", fsdp::to_string(s.kind)}, {"unit", s.unit}, {"backward", s.backward_pass},
-                         {"begin_ns", s.begin_ns}, {"start_ns", s.start_ns}, {"end_ns", s.end_ns}, {"seq", s.seq},
-                         {"end_seq", s.end_seq}, {"bytes", s.bytes}});
-  }
+  const json spans = timeline_json(sharded);
   json names = json::array();
   for (const auto& u : sharded.units()) names.push_back(u.name);
   const auto m = sharded.metrics();

@@ -5,7 +5,7 @@
 //
 // Each mode is one file here, registered in main.cpp's table (as nccl-tests puts each collective
 // behind one struct): parity, accounting, structure, overlap, dynamic, precision, scaler, sync,
-// deferred, fuzz, fault, misuse, summon, checkpoint. Their flags and what they write are described at the top of each file.
+// deferred, fuzz, fault, misuse, summon, checkpoint, recompute. Their flags and what they write are described at the top of each file.
 // --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
@@ -82,6 +82,10 @@ torch::Tensor gpt_loss(Forward&& fwd, int64_t step, int64_t begin, int64_t end) 
 double max_shard_diff(const fsdp::FullyShardedDataParallelBase& sharded, torch::nn::Module& mine, torch::nn::Module& ref,
                       int rank);
 
+// The last step's timeline: one object per span (kind, unit, backward, begin/start/end_ns, seq,
+// end_seq, bytes).
+json timeline_json(const fsdp::FullyShardedDataParallelBase& sharded);
+
 // Sum of every rank's value, divided by W: the global mean of per-rank means of equal slices.
 double global_mean(const std::shared_ptr<fsdp::Mesh>& mesh, const torch::Tensor& local);
 
@@ -123,5 +127,6 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_summon(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_checkpoint(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_recompute(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 
 }  // namespace worker
