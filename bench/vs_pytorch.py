@@ -45,10 +45,11 @@ LABELS = {"ours": "ours (fsdp-train)", "fsdp2": "PyTorch FSDP2", "fsdp1": "PyTor
 # results agree with ours up to reduction-order rounding.
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model, n_head):
+    def __init__(self, d_model, n_head, fused=True):
         super().__init__()
         assert d_model % n_head == 0
         self.n_head = n_head
+        self.fused = fused
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
@@ -56,7 +57,10 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         hd = C // self.n_head
         q, k, v = (t.reshape(B, T, self.n_head, hd).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        # Manual attention, not scaled_dot_product_attention: the fused kernel rounds differently.
+        if self.fused:  # as gpt.cpp: at::scaled_dot_product_attention, causal, no dropout
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        # fsdp-train --attention reference: written out, as gpt.cpp's reference form.
         att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = torch.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
@@ -75,11 +79,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model, n_head):
+    def __init__(self, d_model, n_head, fused_attention=True):
         super().__init__()
         # Registration order as in gpt.cpp (ln1, attn, ln2, mlp): it fixes the flat layouts.
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head)
+        self.attn = CausalSelfAttention(d_model, n_head, fused_attention)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model)
 
@@ -98,12 +102,12 @@ class TiedLMHead(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, d_model):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, d_model, fused_attention=True):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, fused_attention) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = TiedLMHead(self.tok_emb.weight)
 
@@ -167,7 +171,8 @@ def train(system, rank, W, export_dir, dev, adamw_impl, mixed):
     init = load_pt(os.path.join(export_dir, "init.pt"))
     batches = load_pt(os.path.join(export_dir, "batches.pt"))
 
-    model = GPT(cfg["vocab_size"], cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["d_model"])
+    model = GPT(cfg["vocab_size"], cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["d_model"],
+                cfg.get("attention", "fused") == "fused")
     # strict: every exported name (head.weight included, as the tied alias) must exist here.
     model.load_state_dict(init, strict=True)
     assert model.head.weight is model.tok_emb.weight
@@ -274,6 +279,7 @@ def common_train_flags(args):
              "--global-batch-size", str(args.global_batch_size), "--seed", str(args.seed)]
     if args.block_size:
         flags += ["--block-size", str(args.block_size)]
+    flags += ["--attention", args.attention]
     if args.data:
         flags += ["--data", args.data]
     return flags
@@ -319,6 +325,8 @@ def parse_args():
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--block-size", type=int, default=0, help="sequence length (0: the preset's)")
+    p.add_argument("--attention", choices=("fused", "reference"), default="fused",
+                   help="scaled_dot_product_attention on both sides, or the written-out form on both")
     p.add_argument("--data", default="", help="fsdp-train --data (default: its own corpus)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     p.add_argument("--repeats", type=int, default=3,

@@ -29,8 +29,12 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   // Saved per block, in units of tokens x d: ln1's output (qkv's input) 1, qkv's output (q, k and
   // v are views of it) 3, the attention's output before proj 1, the residual h 1, ln2's output 1,
   // fc's output (gelu's input) 4, gelu's output (proj's input) 4, the block's output (the next
-  // block's input) 1; and the softmax's output, batch x heads x T x T.
-  const int64_t per_block = 16 * tokens * d + batch * n_head * T * T;
+  // block's input) 1. Written-out attention adds the softmax's output, batch x heads x T x T; the
+  // fused kernel only a log-sum-exp per row (batch x heads x T, fp32): its output, which its
+  // backward keeps, is laid out [B, T, H, hd], so the attention's output before proj is that
+  // very tensor (the reshape is a view), counted above.
+  const int64_t attention = fused_attention ? batch * n_head * T * 4 / element_size : batch * n_head * T * T;
+  const int64_t per_block = 16 * tokens * d + attention;
   // The embeddings' sum (the first block's input), tokens x d, and the head's peak.
   const int64_t head = head_activation_bytes(batch, seq_len, element_size);
   // Checkpointed blocks keep only their input (the previous block's output, counted already), and
@@ -70,8 +74,8 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 // ---------------------------------------------------------------------------------------------
 // Blocks
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head_)
-    : n_head(n_head_) {
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head_, bool fused_)
+    : n_head(n_head_), fused(fused_) {
   TORCH_CHECK(n_head > 0 && d_model % n_head == 0, "d_model (", d_model,
               ") must be divisible by n_head (", n_head, ")");
   qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
@@ -85,6 +89,10 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   // [B, T, C] -> [B, H, T, hd]
   auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, n_head, hd}).transpose(1, 2); };
   auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+  if (fused) {
+    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+    return proj(y.transpose(1, 2).reshape({B, T, C}));
+  }
 
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
   // Built per call on x's device so the module carries no buffer and works for any T.
@@ -104,9 +112,9 @@ MLPImpl::MLPImpl(int64_t d_model) {
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return proj(torch::gelu(fc(x))); }
 
-BlockImpl::BlockImpl(int64_t d_model, int64_t n_head) {
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
-  attn = register_module("attn", CausalSelfAttention(d_model, n_head));
+  attn = register_module("attn", CausalSelfAttention(d_model, n_head, fused_attention));
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
   mlp = register_module("mlp", MLP(d_model));
 }
@@ -133,7 +141,7 @@ GPTImpl::GPTImpl(const GPTConfig& c) : cfg(c) {
   tok_emb = register_module("tok_emb", torch::nn::Embedding(cfg.vocab_size, cfg.d_model));
   pos_emb = register_module("pos_emb", torch::nn::Embedding(cfg.block_size, cfg.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(Block(cfg.d_model, cfg.n_head));
+  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(Block(cfg.d_model, cfg.n_head, cfg.fused_attention));
   ln_f = register_module("ln_f",
                          torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.d_model})));
   head = register_module("head", TiedLMHead(tok_emb->weight));

@@ -16,6 +16,10 @@ struct GPTConfig {
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t d_model = 256;
+  // Attention through libtorch's fused at::scaled_dot_product_attention (flash / memory-efficient
+  // kernels on CUDA, a fused kernel on CPU: the T x T scores are never stored). false: written out
+  // (matmul, masked_fill, softmax, matmul), the reference it is checked against.
+  bool fused_attention = true;
 
   // Analytic parameter count of GPT(*this); the tied embedding/head weight is counted once.
   int64_t num_parameters() const;
@@ -34,11 +38,12 @@ struct GPTConfig {
 };
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
-  CausalSelfAttentionImpl(int64_t d_model, int64_t n_head);
+  CausalSelfAttentionImpl(int64_t d_model, int64_t n_head, bool fused = true);
   // x: [B, T, d_model] -> [B, T, d_model]
   torch::Tensor forward(const torch::Tensor& x);
 
   int64_t n_head;
+  bool fused;  // GPTConfig::fused_attention
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -52,7 +57,7 @@ struct MLPImpl : torch::nn::Module {
 TORCH_MODULE(MLP);
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t d_model, int64_t n_head);
+  BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention = true);
   torch::Tensor forward(const torch::Tensor& x);
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};

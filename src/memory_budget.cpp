@@ -159,7 +159,7 @@ std::string explain_over_budget(torch::nn::Module& model, const MemoryPlan& plan
   }
   // State shrinks with F; what does not shrink with F (gathered units, their gradients, the
   // activations) bounds how far more ranks can help.
-  const int64_t fixed = plan.peak_unsharded_params + plan.backward_peak();
+  const int64_t fixed = plan.backward_peak();
   const int64_t state_per_rank = plan.sharded_params + plan.sharded_grads + plan.adam_state;
   if (fixed < budget && plan.shard_size > 0) {
     const double whole_state = static_cast<double>(state_per_rank) * plan.shard_size;

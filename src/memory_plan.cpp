@@ -71,8 +71,11 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
                         (options.forward_prefetch ? static_cast<size_t>(options.prefetch_count) : 0);
     plan.peak_unsharded_params = root_bytes;
     for (size_t i = 0; i < std::min(held, nonroot_bytes.size()); ++i) plan.peak_unsharded_params += nonroot_bytes[i];
+    const size_t prefetched = options.backward_prefetch == BackwardPrefetch::BACKWARD_PRE ? static_cast<size_t>(options.prefetch_count) : 0;
+    plan.head_unsharded_params = root_bytes;
+    for (size_t i = 0; i < std::min(prefetched, nonroot_bytes.size()); ++i) plan.head_unsharded_params += nonroot_bytes[i];
   } else {
-    plan.peak_unsharded_params = all_unsharded;
+    plan.peak_unsharded_params = plan.head_unsharded_params = all_unsharded;
   }
   plan.activations = options.memory_budget.activation_bytes;
   plan.head_activations = std::min(options.memory_budget.head_activation_bytes, plan.activations);
@@ -95,14 +98,14 @@ int64_t MemoryPlan::backward_peak() const {
   const int n = std::max(1, backward_units);
   const int64_t spread = activations - head_activations;  // the units' own, freed unit by unit
   // The head's backward: nothing freed yet, the root's gradients arriving.
-  int64_t peak = activations + root_grads;
+  int64_t peak = head_unsharded_params + activations + root_grads;
   for (int j = 0; j < n; ++j) {
     const int64_t in_flight = static_cast<int64_t>(std::min(j, reductions_in_flight)) * (reduce_buffer + replica_buffer);
     // While unit j runs its backward: its activations still held, its gradients accumulating.
     const int64_t during = spread * (n - j) / n + root_grads + unit_grads + in_flight;
     // When its backward is over: its activations freed, its gradients flattened into the buffer.
     const int64_t after = spread * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
-    peak = std::max({peak, during, after});
+    peak = std::max({peak, peak_unsharded_params + during, peak_unsharded_params + after});
   }
   return peak;
 }

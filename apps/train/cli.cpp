@@ -44,6 +44,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_flag("--activation-checkpointing", c.activation_checkpointing,
                "keep only each block's input in forward and recompute the block in backward (less activation memory, "
                "one more forward of the blocks)");
+  app.add_option("--attention", c.attention,
+                 "fused (at::scaled_dot_product_attention) or reference (written out: matmul, masked_fill, softmax, matmul)")
+      ->check(CLI::IsMember({"fused", "reference"}));
   app.add_option("--mixed-precision", c.mixed_precision, "none, bf16 or fp16 (fp16 adds the sharded gradient scaler)")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_flag("--sync-module-states", c.sync_module_states, "broadcast rank 0's initial weights to every rank");
@@ -101,6 +104,7 @@ models::GPTConfig model_config(const Config& c, const models::TokenSource& data)
   auto cfg = models::GPTConfig::preset(c.model);
   cfg.vocab_size = std::max<int64_t>(cfg.vocab_size, data.vocab_size());
   if (c.block_size > 0) cfg.block_size = c.block_size;
+  cfg.fused_attention = c.attention == "fused";
   return cfg;
 }
 

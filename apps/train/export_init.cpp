@@ -43,7 +43,7 @@ int export_init(const Config& c) {
   write("batches.pt", batches);
   const nlohmann::json settings = {
       {"vocab_size", cfg.vocab_size}, {"block_size", cfg.block_size}, {"n_layer", cfg.n_layer},
-      {"n_head", cfg.n_head}, {"d_model", cfg.d_model}, {"steps", c.steps}, {"global_batch", c.global_batch},
+      {"n_head", cfg.n_head}, {"d_model", cfg.d_model}, {"attention", c.attention}, {"steps", c.steps}, {"global_batch", c.global_batch},
       {"lr", c.lr}, {"weight_decay", c.weight_decay}, {"clip", c.clip}, {"seed", c.seed},
       {"adamw", {{"beta1", 0.9}, {"beta2", 0.999}, {"eps", 1e-8}}},
       {"no_decay_rule", "parameter name contains 'bias' or 'ln'; the tied weight once, first name wins"}};

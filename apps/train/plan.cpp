@@ -15,6 +15,7 @@ namespace train {
 int plan(const Config& c) {
   auto cfg = models::GPTConfig::preset(c.model);
   if (c.block_size > 0) cfg.block_size = c.block_size;
+  cfg.fused_attention = c.attention == "fused";
   const int W = c.plan_world;
   const auto t0 = std::chrono::steady_clock::now();
   auto model = fsdp::meta_init([&] { return models::GPT(cfg); });

@@ -38,6 +38,9 @@ struct MemoryPlan {
   int64_t sharded_grads = 0;
   int64_t adam_state = 0;
   int64_t peak_unsharded_params = 0;
+  // Gathered while the head's backward runs, at the start of backward: the root and, with
+  // BACKWARD_PRE, the units prefetched from it (the other units were freed after forward).
+  int64_t head_unsharded_params = 0;
   int64_t peak_unsharded_grads = 0;
   int64_t activations = 0;  // the caller's estimate (Options::memory_budget.activation_bytes)
   // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the
@@ -54,17 +57,16 @@ struct MemoryPlan {
   int reductions_in_flight = 0;
   int64_t replica_buffer = 0;  // hybrid: what the replica all-reduce of a reduction in flight holds
 
-  // Activations and unsharded gradients together through backward. First the head's backward:
-  // every activation and the root's gradients. Then, as backward walks the units in reverse, each
-  // frees its share of the other activations (taken as equal) and hands its gradients to a
-  // reduction. While unit j runs, the activations of units not yet done, the root's gradients,
-  // unit j's gradients and the reduce-scatters still in flight are alive; when it is done, its
-  // activations are gone and its reduce buffer is there. The largest such sum.
+  // What backward holds besides the state, at its peak. First the head's backward: every
+  // activation, the root's gradients and head_unsharded_params. Then, as backward walks the units
+  // in reverse (peak_unsharded_params gathered), each frees its share of the other activations
+  // (taken as equal) and hands its gradients to a reduction. While unit j runs, the activations of
+  // units not yet done, the root's gradients, unit j's gradients and the reduce-scatters still in
+  // flight are alive; when it is done, its activations are gone and its reduce buffer is there.
+  // The largest such sum.
   int64_t backward_peak() const;
-  // The peak per rank: the state, the gathered units and backward's peak.
-  int64_t total() const {
-    return sharded_params + sharded_grads + adam_state + checkpoint_copy + peak_unsharded_params + backward_peak();
-  }
+  // The peak per rank: the state and backward's peak.
+  int64_t total() const { return sharded_params + sharded_grads + adam_state + checkpoint_copy + backward_peak(); }
 };
 
 // `local_world_size` is the ranks per node (F for the hybrid strategies without a shard size).
