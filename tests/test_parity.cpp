@@ -61,4 +61,30 @@ INSTANTIATE_TEST_SUITE_P(
                     ParityCase{"hybrid_shard_zero2", 1, 1, false}, ParityCase{"hybrid_shard_zero2", 4, 2, true}),
     name_of);
 
+// The fused attention (at::scaled_dot_product_attention, fsdp-train's default) against the
+// written-out reference it replaced, trained by fsdp-train as a user runs it: the same losses up to
+// rounding (the fused kernel sums in another order), locally and sharded.
+TEST(Attention, FusedTrainsLikeTheWrittenOutReference) {
+  auto losses = [](const std::string& args) {
+    const std::string metrics = fsdp_test::temp_prefix("attention") + ".jsonl";
+    std::remove(metrics.c_str());
+    const auto run = fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train --model tiny --steps 4 --global-batch-size 8 "
+                                   "--log-every 100 --metrics-jsonl " + metrics + " " + args);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    std::vector<double> out(4, 0.0);
+    for (const auto& j : fsdp_test::read_jsonl(metrics)) {
+      if (j["rank"] == 0) out.at(j["step"].get<size_t>()) = j["loss"].get<double>();
+    }
+    std::remove(metrics.c_str());
+    return out;
+  };
+  for (const std::string launch : {"--local", "--nproc-per-node 2 --strategy full_shard"}) {
+    const auto fused = losses(launch + " --attention fused"), reference = losses(launch + " --attention reference");
+    for (size_t s = 0; s < fused.size(); ++s) {
+      EXPECT_NEAR(fused[s], reference[s], 1e-5 * std::abs(reference[s])) << launch << " step " << s;
+      EXPECT_GT(fused[s], 0.0) << launch << " step " << s;
+    }
+  }
+}
+
 }  // namespace

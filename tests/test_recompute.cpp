@@ -14,8 +14,11 @@ struct Case {
   std::string strategy;
   int world, shard_size;
   std::string precision;
+  std::string prefetch = "backward_pre";  // backward prefetch
+  int forward_prefetch = 0;
   std::string name() const {
-    return strategy + "_W" + std::to_string(world) + (precision == "none" ? "" : "_" + precision);
+    return strategy + "_W" + std::to_string(world) + (precision == "none" ? "" : "_" + precision) +
+           (prefetch == "backward_pre" ? "" : "_" + prefetch) + (forward_prefetch ? "_forward_prefetch" : "");
   }
 };
 
@@ -42,7 +45,8 @@ TEST_P(Recompute, BitwiseEqualWithDropoutAndReducedDuringBackward) {
   const auto ranks = fsdp_test::expect_ranks(
       "recompute", c.world,
       "--strategy " + c.strategy + (c.shard_size ? " --shard-size " + std::to_string(c.shard_size) : "") +
-          " --mixed-precision " + c.precision);
+          " --mixed-precision " + c.precision + " --backward-prefetch " + c.prefetch +
+          " --forward-prefetch " + std::to_string(c.forward_prefetch));
   ASSERT_EQ(ranks.size(), static_cast<size_t>(c.world));
   for (const json& r : ranks) {
     const std::string who = c.name() + " rank " + std::to_string(&r - &ranks[0]);
@@ -68,7 +72,8 @@ TEST_P(Recompute, BitwiseEqualWithDropoutAndReducedDuringBackward) {
 const Case kCases[] = {
     {"full_shard", 2, 0, "none"},         {"shard_grad_op", 2, 0, "none"}, {"no_shard", 2, 0, "none"},
     {"hybrid_shard", 4, 2, "none"},       {"hybrid_shard_zero2", 4, 2, "none"}, {"full_shard", 2, 0, "bf16"},
-    {"full_shard", 3, 0, "none"},
+    {"full_shard", 3, 0, "none"},         {"full_shard", 2, 0, "none", "backward_post"},
+    {"full_shard", 2, 0, "none", "none"}, {"full_shard", 2, 0, "none", "backward_pre", 1},
 };
 INSTANTIATE_TEST_SUITE_P(Strategies, Recompute, testing::ValuesIn(kCases),
                          [](const testing::TestParamInfo<Case>& i) { return i.param.name(); });

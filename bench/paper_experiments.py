@@ -1,0 +1,124 @@
+"""The paper's experiments (§5), reproduced at this machine's scale with fsdp-train, side by side.
+
+Each experiment runs its configurations alternately, --repeats times, and reports medians of the
+per-step times after --warmup steps (rank 0's step_ms), with the spread (min-max of the repeats'
+medians), and the peak of live tensor bytes any rank measured (above what it held before the
+model). One table per experiment on stdout (markdown), one plot each under --out-dir.
+
+  prefetch      Fig. 6b: backward prefetch on (BACKWARD_PRE) and off, full_shard, GPT
+  checkpoint    activation checkpointing: peak memory against step time, with and without, GPT
+                at a sequence length where activations dominate
+  attention     the fused scaled_dot_product_attention against the written-out form
+
+    bench/paper_experiments --experiments prefetch,checkpoint,attention --out-dir docs/img/paper
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_once(args, flags, workdir, tag):
+    metrics = os.path.join(workdir, f"{tag}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [os.path.join(args.bin, "fsdp-train"), "--log-every", "1000", "--metrics-jsonl", metrics] + flags
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(metrics)]
+    steps = sorted((r for r in rows if r["rank"] == 0 and r["step"] >= args.warmup), key=lambda r: r["step"])
+    step_ms = statistics.median(r["step_ms"] for r in steps)
+    peak = max(r["memory"]["peak_live_tensor_bytes"] - r["memory"]["live_before_model"]
+               for r in rows if r["step"] >= 1)
+    return step_ms, peak, rows[-1]["loss"]
+
+
+def compare(args, configs, workdir):
+    """configs: [(label, flags)]; alternated, repeated. Returns {label: (median, lo, hi, peak, loss)}."""
+    per = {label: [] for label, _ in configs}
+    peaks, losses = {}, {}
+    for rep in range(args.repeats):
+        for label, flags in configs:
+            ms, peak, loss = run_once(args, flags, workdir, f"{label}-{rep}".replace(" ", "_"))
+            per[label].append(ms)
+            peaks[label] = max(peaks.get(label, 0), peak)
+            losses[label] = loss
+    return {label: (statistics.median(v), min(v), max(v), peaks[label], losses[label]) for label, v in per.items()}
+
+
+def table(title, results, base):
+    print(f"\n### {title}\n")
+    print("| configuration | median step (ms) | spread of repeats (ms) | vs first | peak live tensors (MB) | last loss |")
+    print("|---|---|---|---|---|---|")
+    b = results[base][0]
+    for label, (med, lo, hi, peak, loss) in results.items():
+        print(f"| {label} | {med:.1f} | {lo:.1f}-{hi:.1f} | {med / b:.3f} | {peak / 1e6:.1f} | {loss:.4f} |")
+
+
+def bars(path, title, results, ylabel="median step (ms)"):
+    labels = list(results)
+    fig, ax = plt.subplots(figsize=(6, 3))
+    meds = [results[k][0] for k in labels]
+    err = [[results[k][0] - results[k][1] for k in labels], [results[k][2] - results[k][0] for k in labels]]
+    ax.bar(labels, meds, yerr=err, capsize=4, color="#4c72b0")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experiments", default="prefetch,checkpoint,attention")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bin", default=os.path.join(ROOT, "build", "bin"))
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "img", "paper"))
+    args = p.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    chosen = args.experiments.split(",")
+    launch = ["--nproc-per-node", str(args.nproc), "--steps", str(args.steps)]
+    with tempfile.TemporaryDirectory() as work:
+        if "prefetch" in chosen:
+            base = launch + ["--model", "default", "--strategy", "full_shard", "--global-batch-size", "8"]
+            r = compare(args, [("backward_pre", base + ["--backward-prefetch", "backward_pre"]),
+                               ("no prefetch", base + ["--backward-prefetch", "none"])], work)
+            table(f"Fig. 6b: backward prefetch, default GPT, full_shard, W = {args.nproc}", r, "backward_pre")
+            bars(os.path.join(args.out_dir, "prefetch.png"), "backward prefetch (Fig. 6b)", r)
+        if "checkpoint" in chosen:
+            base = launch + ["--model", "small", "--block-size", "512", "--strategy", "full_shard",
+                             "--global-batch-size", "8"]
+            r = compare(args, [("plain", base), ("checkpointed blocks", base + ["--activation-checkpointing"])], work)
+            table(f"Activation checkpointing, small GPT at sequence length 512, full_shard, W = {args.nproc}", r,
+                  "plain")
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            for label, (med, lo, hi, peak, _) in r.items():
+                ax.errorbar(peak / 1e6, med, yerr=[[med - lo], [hi - med]], fmt="o", capsize=4, label=label)
+            ax.set_xlabel("peak live tensor bytes per rank (MB)")
+            ax.set_ylabel("median step (ms)")
+            ax.set_title("activation checkpointing: memory against time")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(os.path.join(args.out_dir, "checkpoint.png"), dpi=120)
+            plt.close(fig)
+        if "attention" in chosen:
+            base = launch + ["--model", "default", "--strategy", "full_shard", "--global-batch-size", "8"]
+            r = compare(args, [("fused", base + ["--attention", "fused"]),
+                               ("written out", base + ["--attention", "reference"])], work)
+            table(f"Attention: fused against written out, default GPT, full_shard, W = {args.nproc}", r, "fused")
+            bars(os.path.join(args.out_dir, "attention.png"), "attention forms", r)
+
+
+if __name__ == "__main__":
+    main()
