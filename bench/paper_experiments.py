@@ -6,7 +6,7 @@ medians), and the peak of live tensor bytes any rank measured (above what it hel
 model). One table per experiment on stdout (markdown), one plot each under --out-dir.
 
   prefetch      Fig. 6b: backward prefetch on (BACKWARD_PRE) and off, full_shard, GPT
-  checkpoint    activation checkpointing: peak memory against step time, with and without, GPT
+  checkpoint    activation checkpointing: peak memory against step time, with and without, default GPT
                 at a sequence length where activations dominate
   attention     the fused scaled_dot_product_attention against the written-out form
 
@@ -97,10 +97,10 @@ def main():
             table(f"Fig. 6b: backward prefetch, default GPT, full_shard, W = {args.nproc}", r, "backward_pre")
             bars(os.path.join(args.out_dir, "prefetch.png"), "backward prefetch (Fig. 6b)", r)
         if "checkpoint" in chosen:
-            base = launch + ["--model", "small", "--block-size", "512", "--strategy", "full_shard",
+            base = launch + ["--model", "default", "--block-size", "512", "--strategy", "full_shard",
                              "--global-batch-size", "8"]
             r = compare(args, [("plain", base), ("checkpointed blocks", base + ["--activation-checkpointing"])], work)
-            table(f"Activation checkpointing, small GPT at sequence length 512, full_shard, W = {args.nproc}", r,
+            table(f"Activation checkpointing, default GPT at sequence length 512, full_shard, W = {args.nproc}", r,
                   "plain")
             fig, ax = plt.subplots(figsize=(5, 3.5))
             for label, (med, lo, hi, peak, _) in r.items():
