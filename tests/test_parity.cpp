@@ -1,6 +1,8 @@
 // Parity with local training (docs/design.md: the oracle for every feature): every strategy,
-// world sizes 1-4 where the strategy allows, the tiny GPT (typed members, tied embedding/head)
-// and an uneven net (units of 4 to 656 elements, an unused parameter), 5 steps of SGD+momentum
+// world sizes 1-4 where the strategy allows, the tiny GPT (typed members, tied embedding/head),
+// an uneven net (units of 4 to 656 elements, an unused parameter) and the tiny T5 (encoder and
+// decoder blocks as units, position buckets shared across a stack's units, cross-attention, a
+// tied embedding used by both stacks and the head), 5 steps of SGD+momentum
 // and of AdamW with per-parameter groups, from the same init and the same global batch as one
 // local process.
 #include <gtest/gtest.h>

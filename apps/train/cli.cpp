@@ -19,7 +19,8 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--seed", c.seed, "seed for the initial weights and the batches");
   app.add_option("--metrics-jsonl", c.metrics_jsonl, "append one JSON object per step per rank to this file");
   app.add_option("--data", c.data, "text file, folder of text files, or .u16/.bin file of uint16 token ids");
-  app.add_option("--model", c.model, "GPT preset: tiny, small, default, medium (25 M parameters), large (50 M), 200m (203 M), 1b, 175b (--plan)");
+  app.add_option("--model", c.model, "GPT preset: tiny, small, default, medium (25 M parameters), large (50 M), 200m (203 M), 1b, 175b (--plan); "
+                 "with --plan also the T5 presets t5-tiny, t5-small, t5-large, t5-3b, t5-11b");
   app.add_option("--block-size", c.block_size, "sequence length (default: the preset's)");
   app.add_option("--lr", c.lr, "AdamW learning rate");
   app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");

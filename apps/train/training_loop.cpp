@@ -113,6 +113,10 @@ int train(const Config& c) {
   for (const std::string& dir : {c.trace_dir, c.memory_timeline}) {
     if (!dir.empty()) std::filesystem::create_directories(dir);
   }
+  if (c.model.rfind("t5-", 0) == 0) {
+    throw std::invalid_argument("--model " + c.model + ": fsdp-train trains the GPT presets; the T5 presets are planned "
+                                "with --plan (T5 itself trains in the parity tests, tests/worker/parity.cpp)");
+  }
   if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
   if (c.local && c.mixed_precision != "none") throw std::invalid_argument("--mixed-precision needs fsdp; drop --local");
   if ((c.global_batch / W) % c.grad_accum != 0) {

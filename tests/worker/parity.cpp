@@ -1,5 +1,5 @@
 // fsdp-test-worker parity --strategy S [--shard-size F] [--variants all] --out PREFIX
-//   Trains the tiny GPT and the uneven net with SGD+momentum and AdamW for 5 steps under fsdp and,
+//   Trains the tiny GPT, the uneven net and the tiny T5 with SGD+momentum and AdamW for 5 steps under fsdp and,
 //   in the same process, a local single-process reference on the whole global batch; writes per
 //   case max |Δparam| and max |Δloss| (and with --variants all: two forwards then one backward,
 //   accumulation with and without communication, clipping).
@@ -18,6 +18,7 @@ json run_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
     torch::manual_seed(0);
     std::shared_ptr<torch::nn::Module> m;
     if (model == "gpt") m = models::GPT(models::GPTConfig::preset("tiny")).ptr();
+    else if (model == "t5") m = models::T5(models::T5Config::preset("t5-tiny")).ptr();
     else m = models::UnevenNet().ptr();
     m->to(g_device);  // initialized on the CPU (same numbers on every device), then moved
     return m;
@@ -25,19 +26,29 @@ json run_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
   if (std::getenv("FSDP_TEST_VERBOSE")) std::cerr << "case " << model << " " << optim << " " << variant << std::endl;
   auto ref = build();
   auto mine = build();
-  opts.auto_wrap_policy = model == "gpt" ? fsdp::module_type_policy<models::BlockImpl>()
-                                         : fsdp::module_type_policy<torch::nn::LinearImpl>();
+  opts.auto_wrap_policy = model == "gpt"  ? fsdp::module_type_policy<models::BlockImpl>()
+                          : model == "t5" ? fsdp::module_type_policy<models::T5EncoderBlockImpl, models::T5DecoderBlockImpl>()
+                                          : fsdp::module_type_policy<torch::nn::LinearImpl>();
   fsdp::FullyShardedDataParallel<torch::nn::Module> sharded(mine, mesh, opts);
   auto ref_opt = make_optim(optim, *ref);
   auto my_opt = make_optim(optim, *mine);
 
   // Loss of a module on a batch slice; `fwd` runs the module (locally or through the root).
+  // T5 reads the sequence and writes it reversed (models::t5_reverse_task); `fwd` takes the
+  // source and the decoder's input stacked as [2, B, T].
   auto loss_on = [&](auto&& fwd, int64_t step, int64_t b, int64_t e) {
     if (model == "gpt") return gpt_loss(fwd, step, b, e);
+    if (model == "t5") {
+      auto [x, unused] = corpus().batch(step, kGlobalBatch, 16, 9, b, e);
+      auto [tgt_in, target] = models::t5_reverse_task(x);
+      const torch::Tensor logits = fwd(torch::stack({x, tgt_in}).to(g_device));
+      return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}).to(g_device));
+    }
     auto [x, y] = uneven_batch(step, b, e);
     return torch::mse_loss(fwd(x), y);
   };
   auto forward_of = [&](const std::shared_ptr<torch::nn::Module>& m, const torch::Tensor& x) {
+    if (model == "t5") return std::dynamic_pointer_cast<models::T5Impl>(m)->forward(x[0], x[1]);
     return model == "gpt" ? std::dynamic_pointer_cast<models::GPTImpl>(m)->forward(x)
                           : std::dynamic_pointer_cast<models::UnevenNetImpl>(m)->forward(x);
   };
@@ -105,7 +116,7 @@ json run_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
 
 json run_parity(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   json cases = json::array();
-  for (std::string model : {"gpt", "uneven"}) {
+  for (std::string model : {"gpt", "uneven", "t5"}) {
     for (std::string optim : {"sgd", "adamw"}) cases.push_back(run_case(mesh, options_from(a), model, optim, "plain"));
   }
   if (a.variants == "all") {

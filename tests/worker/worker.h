@@ -24,6 +24,7 @@
 #include "fsdp/fsdp.h"
 #include "models/data.h"
 #include "models/gpt.h"
+#include "models/t5.h"
 
 namespace worker {
 
