@@ -1,5 +1,6 @@
 #include "fsdp/activation_checkpoint.h"
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -151,7 +152,7 @@ std::vector<torch::Tensor> checkpoint(const TensorsFn& fn, const std::vector<tor
   // inside would get none (torch.utils.checkpoint's re-entrant pitfall): an empty leaf that
   // requires grad makes the node, and it receives no gradient.
   const bool anchored = !any_requires_grad;
-  if (anchored) all.push_back(at::empty({0}, at::TensorOptions().requires_grad(true)));
+  if (anchored) all.push_back(at::empty({0}).requires_grad_(true));
   state->anchored = anchored;
   return CheckpointFunction::apply(state, at::TensorList(all));
 }

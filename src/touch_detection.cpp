@@ -147,7 +147,7 @@ bool checkpointed_forward() { return t_checkpoint == CheckpointScope::FORWARD; }
 bool recomputing() { return t_checkpoint == CheckpointScope::RECOMPUTE; }
 
 void keep_alive_with_checkpoint(std::shared_ptr<void> node) {
-  if (t_checkpoint == CheckpointScope::FORWARD && t_keep_alive) t_keep_alive->push_back(std::move(node));
+  if (node && t_checkpoint == CheckpointScope::FORWARD && t_keep_alive) t_keep_alive->push_back(std::move(node));
 }
 
 bool in_root_pass() {

@@ -56,6 +56,7 @@ TEST_P(Recompute, BitwiseEqualWithDropoutAndReducedDuringBackward) {
     EXPECT_EQ(r["max_param_diff"].get<double>(), 0.0) << who;
     EXPECT_EQ(r["local_max_grad_diff"].get<double>(), 0.0) << who;
     EXPECT_EQ(r["local_loss_diff"].get<double>(), 0.0) << who;
+    EXPECT_EQ(r["input_without_grad_diff"].get<double>(), 0.0) << who;
     // The trap: units whose forward ran without grad mode would wait, gathered, for the end of
     // backward. Recomputation must gather no more than backward did, and reduce as it goes.
     const auto peak = r["unsharded_peak"].get<std::vector<int64_t>>();

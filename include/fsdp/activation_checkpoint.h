@@ -10,13 +10,13 @@
 // from any unit's backward), each unit's gradients are reduce-scattered as soon as its
 // recomputed part has been backwarded, and the unit is freed again.
 //
-//   // a callable
-//   torch::Tensor y = fsdp::checkpoint([&](const torch::Tensor& x) { return block->forward(x); }, x);
+//   // a callable (kept for backward, which calls it again: capture by value, never by reference)
+//   torch::Tensor y = fsdp::checkpoint([block](const torch::Tensor& x) { return block->forward(x); }, x);
 //
 //   // by policy, like the auto-wrap policies: mark modules, and let the model's forward call
 //   // its children through fsdp::checkpointable (models/gpt.cpp does for its blocks)
 //   fsdp::apply_activation_checkpointing(*model, fsdp::checkpoint_modules_of_type<models::BlockImpl>());
-//   x = fsdp::checkpointable(*blocks[i], [&](const torch::Tensor& h) { return block->forward(h); }, x);
+//   x = fsdp::checkpointable(*block, [block](const torch::Tensor& h) { return block->forward(h); }, x);
 //
 // What is recomputed must compute the same thing when run again: a function of its inputs, the
 // parameters and the RNG, with no side effects that matter (a BatchNorm's running statistics
@@ -36,8 +36,8 @@ namespace fsdp {
 using TensorFn = std::function<torch::Tensor(const torch::Tensor&)>;
 using TensorsFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 
-// fn(inputs), saving only `inputs` for backward (see above). Without grad mode, or when nothing
-// could need a gradient, simply fn(inputs). The outputs are new tensors, never views of inputs.
+// fn(inputs), saving only `inputs` for backward (see above); fn is kept until then. Without grad
+// mode, simply fn(inputs).
 std::vector<torch::Tensor> checkpoint(const TensorsFn& fn, const std::vector<torch::Tensor>& inputs);
 torch::Tensor checkpoint(const TensorFn& fn, const torch::Tensor& input);
 

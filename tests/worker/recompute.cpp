@@ -7,6 +7,7 @@
 //                                           rank's gradient shards after every backward and its
 //                                           parameter shards after every step (0: bitwise equal)
 //     local_max_grad_diff, local_loss_diff  the same for the two local runs (no fsdp)
+//     input_without_grad_diff               a block checkpointed on an input that needs no gradient
 //     unsharded_peak / _checkpointed        per step, the peak of gathered bytes
 //     spans / spans_checkpointed            the last step's timeline
 #include "worker.h"
@@ -72,7 +73,7 @@ double max_diff(const std::vector<std::vector<torch::Tensor>>& a, const std::vec
   double d = 0;
   for (size_t s = 0; s < a.size(); ++s) {
     for (size_t i = 0; i < a[s].size(); ++i) {
-      if (a[s][i].defined() != b[s][i].defined()) return INFINITY;
+      if (a[s][i].defined() != b[s][i].defined()) return 1e30;
       if (a[s][i].defined() && a[s][i].numel() > 0) d = std::max(d, (a[s][i].to(torch::kDouble) - b[s][i].to(torch::kDouble)).abs().max().item<double>());
     }
   }
@@ -116,6 +117,30 @@ Run train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, bool sharded, 
   return r;
 }
 
+// A checkpointed block whose input needs no gradient (the pitfall of re-entrant checkpointing:
+// no node would be recorded, and the block's parameters would get no gradient): max |difference|
+// of its parameters' gradients against the same block without checkpointing.
+double input_without_grad_diff() {
+  std::vector<std::vector<torch::Tensor>> grads[2];
+  for (int ckpt = 0; ckpt < 2; ++ckpt) {
+    torch::manual_seed(3);
+    DropBlock block;
+    auto [x, y] = uneven_batch(0, 0, kGlobalBatch);
+    const torch::Tensor in = torch::cat({x, x}, 1);  // [N, 32], requires no grad
+    torch::manual_seed(4);
+    DropBlockImpl* b = block.get();
+    const torch::Tensor out = ckpt ? fsdp::checkpoint([b](const torch::Tensor& t) { return b->forward(t); }, in)
+                                   : b->forward(in);
+    out.pow(2).mean().backward();
+    std::vector<torch::Tensor> params = block->parameters();
+    grads[ckpt].push_back(copies(params, true));
+    for (const auto& g : grads[ckpt].back()) {
+      if (!g.defined()) return 1e30;  // no gradient at all: the pitfall
+    }
+  }
+  return max_diff(grads[0], grads[1]);
+}
+
 }  // namespace
 
 json run_recompute(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
@@ -131,6 +156,7 @@ json run_recompute(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
               {"max_param_diff", max_diff(plain.params, ckpt.params)},
               {"local_max_grad_diff", max_diff(local.grads, local_ckpt.grads)},
               {"local_loss_diff", local_loss_diff},
+              {"input_without_grad_diff", input_without_grad_diff()},
               {"unsharded_peak", plain.unsharded_peak},
               {"unsharded_peak_checkpointed", ckpt.unsharded_peak},
               {"spans", plain.spans},
