@@ -11,8 +11,6 @@
 
 namespace train {
 
-// The per-rank memory plan of the model in fp32 and in bf16 mixed precision, computed from a
-// meta_init model: nothing is allocated, so any size can be planned on any machine.
 namespace {
 
 // The paper's T5 shapes (§5): the model's state, gathered units and gradients per rank, without
@@ -40,6 +38,8 @@ int plan_t5(const Config& c) {
 
 }  // namespace
 
+// The per-rank memory plan of the model in fp32 and in bf16 mixed precision, computed from a
+// meta_init model: nothing is allocated, so any size can be planned on any machine.
 int plan(const Config& c) {
   if (c.model.rfind("t5-", 0) == 0) return plan_t5(c);
   auto cfg = models::GPTConfig::preset(c.model);
