@@ -89,13 +89,19 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     chosen = args.experiments.split(",")
     launch = ["--nproc-per-node", str(args.nproc), "--steps", str(args.steps)]
+    # The default GPT, full_shard, global batch 8: what the prefetch and attention runs share.
+    default_gpt = launch + ["--model", "default", "--strategy", "full_shard", "--global-batch-size", "8"]
     with tempfile.TemporaryDirectory() as work:
+
+        def side_by_side(configs, title, image, plot_title):
+            r = compare(args, configs, work)
+            table(f"{title}, W = {args.nproc}", r, configs[0][0])
+            bars(os.path.join(args.out_dir, image), plot_title, r)
+
         if "prefetch" in chosen:
-            base = launch + ["--model", "default", "--strategy", "full_shard", "--global-batch-size", "8"]
-            r = compare(args, [("backward_pre", base + ["--backward-prefetch", "backward_pre"]),
-                               ("no prefetch", base + ["--backward-prefetch", "none"])], work)
-            table(f"Fig. 6b: backward prefetch, default GPT, full_shard, W = {args.nproc}", r, "backward_pre")
-            bars(os.path.join(args.out_dir, "prefetch.png"), "backward prefetch (Fig. 6b)", r)
+            side_by_side([("backward_pre", default_gpt + ["--backward-prefetch", "backward_pre"]),
+                          ("no prefetch", default_gpt + ["--backward-prefetch", "none"])],
+                         "Fig. 6b: backward prefetch, default GPT, full_shard", "prefetch.png", "backward prefetch (Fig. 6b)")
         if "checkpoint" in chosen:
             base = launch + ["--model", "default", "--block-size", "512", "--strategy", "full_shard",
                              "--global-batch-size", "8"]
@@ -113,12 +119,10 @@ def main():
             fig.savefig(os.path.join(args.out_dir, "checkpoint.png"), dpi=120)
             plt.close(fig)
         if "attention" in chosen:
-            base = launch + ["--model", "default", "--strategy", "full_shard", "--global-batch-size", "8"]
-            r = compare(args, [("fused", base + ["--attention", "fused"]),
-                               ("written out", base + ["--attention", "reference"])], work)
-            table(f"Attention: fused against written out, default GPT, full_shard, W = {args.nproc}", r, "fused")
-            bars(os.path.join(args.out_dir, "attention.png"), "attention forms", r)
-
+            side_by_side([("fused", default_gpt + ["--attention", "fused"]),
+                          ("written out", default_gpt + ["--attention", "reference"])],
+                         "Attention: fused against written out, default GPT, full_shard", "attention.png",
+                         "attention forms")
 
 if __name__ == "__main__":
     main()
