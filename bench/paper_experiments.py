@@ -5,12 +5,16 @@ per-step times after --warmup steps (rank 0's step_ms), with the spread (min-max
 medians), and the peak of live tensor bytes any rank measured (above what it held before the
 model). One table per experiment on stdout (markdown), one plot each under --out-dir.
 
+  ddp           Fig. 6a: fsdp with F = 1 (no_shard) against a DDP-style all-reduce baseline written for it
+                (fsdp-train --ddp-baseline: bucketed all-reduces overlapping backward), on T5
   prefetch      Fig. 6b: backward prefetch on (BACKWARD_PRE) and off, full_shard, GPT
+  dhen          Figs. 7a / 8a: the DHEN-like model with full against hybrid sharding, each resharding after
+                forward (RAF) or not (NRAF): peak memory and throughput
   checkpoint    activation checkpointing: peak memory against step time, with and without, default GPT
                 at a sequence length where activations dominate
   attention     the fused scaled_dot_product_attention against the written-out form
 
-    bench/paper_experiments --experiments prefetch,checkpoint,attention --out-dir docs/img/paper
+    bench/paper_experiments --experiments ddp,prefetch,dhen,checkpoint,attention --out-dir docs/img/paper
 """
 import argparse
 import json
@@ -78,7 +82,9 @@ def bars(path, title, results, ylabel="median step (ms)"):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experiments", default="prefetch,checkpoint,attention")
+    p.add_argument("--experiments", default="ddp,prefetch,dhen,checkpoint,attention")
+    p.add_argument("--dhen-nproc", type=int, default=4, help="ranks of the DHEN runs (hybrid needs F < W)")
+    p.add_argument("--dhen-model", default="dhen-medium")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
@@ -98,6 +104,39 @@ def main():
             table(f"{title}, W = {args.nproc}", r, configs[0][0])
             bars(os.path.join(args.out_dir, image), plot_title, r)
 
+        if "ddp" in chosen:
+            t5 = launch + ["--model", "t5-small", "--global-batch-size", "16"]
+            side_by_side([("fsdp no_shard (F = 1)", t5 + ["--strategy", "no_shard"]),
+                          ("DDP-style baseline", t5 + ["--ddp-baseline"])],
+                         "Fig. 6a: fsdp with F = 1 against a DDP-style all-reduce baseline, T5 'small'", "ddp.png",
+                         "F = 1 against DDP (Fig. 6a)")
+        if "dhen" in chosen:
+            dhen = ["--nproc-per-node", str(args.dhen_nproc), "--steps", str(args.steps), "--model", args.dhen_model,
+                    "--global-batch-size", "256"]
+            F = str(args.dhen_nproc // 2)
+            configs = [("full + RAF", dhen + ["--strategy", "full_shard"]),
+                       ("full + NRAF", dhen + ["--strategy", "shard_grad_op"]),
+                       ("hybrid + RAF", dhen + ["--strategy", "hybrid_shard", "--shard-size", F]),
+                       ("hybrid + NRAF", dhen + ["--strategy", "hybrid_shard_zero2", "--shard-size", F])]
+            r = compare(args, configs, work)
+            table(f"Figs. 7a / 8a: DHEN-like '{args.dhen_model}', full (F = {args.dhen_nproc}) against hybrid "
+                  f"(F = {F}) sharding, W = {args.dhen_nproc}, global batch 256", r, "full + RAF")
+            fig, (mem, thr) = plt.subplots(1, 2, figsize=(9, 3.2))
+            labels = list(r)
+            mem.bar(labels, [r[k][3] / 1e6 for k in labels], color="#55a868")
+            mem.set_ylabel("peak live tensors per rank (MB)")
+            mem.set_title("memory (Fig. 7a)")
+            thr.bar(labels, [256 / (r[k][0] / 1000) for k in labels],
+                    yerr=[[256 / (r[k][0] / 1000) - 256 / (r[k][2] / 1000) for k in labels],
+                          [256 / (r[k][1] / 1000) - 256 / (r[k][0] / 1000) for k in labels]], capsize=4,
+                    color="#4c72b0")
+            thr.set_ylabel("samples / s")
+            thr.set_title("throughput (Fig. 8a)")
+            for ax in (mem, thr):
+                ax.tick_params(axis="x", labelrotation=20)
+            fig.tight_layout()
+            fig.savefig(os.path.join(args.out_dir, "dhen.png"), dpi=120)
+            plt.close(fig)
         if "prefetch" in chosen:
             side_by_side([("backward_pre", default_gpt + ["--backward-prefetch", "backward_pre"]),
                           ("no prefetch", default_gpt + ["--backward-prefetch", "none"])],

@@ -1,5 +1,8 @@
 #include "models/t5.h"
 
+#include "fsdp/activation_checkpoint.h"
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -14,6 +17,40 @@ int64_t T5Config::num_parameters() const {
   const int64_t encoder = n_layer * (attention + ff + 2 * d_model) + num_buckets * n_head + d_model;
   const int64_t decoder = n_layer * (2 * attention + ff + 3 * d_model) + num_buckets * n_head + d_model;
   return vocab_size * d_model + encoder + decoder;
+}
+
+int64_t T5Config::activation_bytes(int64_t batch, int64_t src_len, int64_t tgt_len, int64_t element_size,
+                                   bool checkpointed) const {
+  const int64_t d = d_model, i = n_head * d_kv, Ts = src_len, Tt = tgt_len;
+  const int64_t src = batch * Ts, tgt = batch * Tt;
+  // Attention with an additive position bias that needs a gradient runs SDPA's composite path on
+  // the CPU: the scores and the probabilities, heads x Tk per query token, are saved.
+  // Per source token and encoder block: the norm's output (q, k and v read it) 1 d, q, k, v 3 i,
+  // scores and probabilities 2 H Ts, the attention's output and its [B, T, i] copy (o's input) 2 i,
+  // the residual h 1 d, the second norm's output 1 d, wi's output (ReLU's, wo's input) d_ff, the
+  // block's output (the next block's input) 1 d.
+  const int64_t enc_block = src * (4 * d + 5 * i + d_ff + 2 * n_head * Ts);
+  // Per target token and decoder block: self-attention as above (norm 1 d, 3 i, 2 H Tt, 2 i,
+  // residual 1 d), cross-attention (norm 1 d, q 1 i, 2 H Ts, 2 i, residual 1 d), the feed-forward
+  // (norm 1 d, d_ff, output 1 d); and per source token k and v of the encoder's output, 2 i.
+  const int64_t dec_block = tgt * (6 * d + 8 * i + d_ff + 2 * n_head * (Tt + Ts)) + src * 2 * i;
+  // The embeddings' outputs (each stack's first input) and the encoder's normalized output.
+  const int64_t shared = src * 2 * d + tgt * d;
+  const int64_t head = head_activation_bytes(batch, tgt_len, element_size);
+  // Checkpointed blocks keep their inputs (the stack's hidden states; the bias and the encoder's
+  // output are shared), and one block's activations exist again while backward recomputes it.
+  if (checkpointed) {
+    const int64_t kept = n_layer * (src * d + tgt * d);
+    return (shared + kept + std::max(enc_block, dec_block)) * element_size + head;
+  }
+  return (shared + n_layer * (enc_block + dec_block)) * element_size + head;
+}
+
+int64_t T5Config::head_activation_bytes(int64_t batch, int64_t tgt_len, int64_t element_size) const {
+  // The final norm's output and its scaled copy (tokens x d), the log-softmax's output (tokens x
+  // vocab) and, while the loss's backward runs, the gradients of the log-probabilities and logits.
+  const int64_t tokens = batch * tgt_len;
+  return (2 * tokens * d_model + 3 * tokens * vocab_size) * element_size;
 }
 
 T5Config T5Config::preset(const std::string& name) {
@@ -172,12 +209,26 @@ torch::Tensor T5Impl::forward(const torch::Tensor& src, const torch::Tensor& tgt
   const c10::Device dev = src.device();
   torch::Tensor x = shared(src);
   const torch::Tensor enc_bias = encoder[0]->as<T5EncoderBlockImpl>()->attn->position_bias(src.size(1), src.size(1), dev);
-  for (size_t i = 0; i < encoder->size(); ++i) x = encoder[i]->as<T5EncoderBlockImpl>()->forward(x, enc_bias);
+  // Each block through fsdp::checkpointable: recomputed in backward when marked
+  // (--activation-checkpointing), called plainly otherwise. The lambdas hold the blocks by value:
+  // backward calls them again.
+  for (size_t i = 0; i < encoder->size(); ++i) {
+    auto block = encoder[i]->as<T5EncoderBlock>();
+    x = fsdp::checkpointable(
+        *block, [block](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{block->forward(in[0], in[1])}; },
+        {x, enc_bias})[0];
+  }
   const torch::Tensor memory = enc_norm(x);
   torch::Tensor y = shared(tgt_in);
   const torch::Tensor dec_bias =
       decoder[0]->as<T5DecoderBlockImpl>()->self_attn->position_bias(tgt_in.size(1), tgt_in.size(1), dev);
-  for (size_t i = 0; i < decoder->size(); ++i) y = decoder[i]->as<T5DecoderBlockImpl>()->forward(y, memory, dec_bias);
+  for (size_t i = 0; i < decoder->size(); ++i) {
+    auto block = decoder[i]->as<T5DecoderBlock>();
+    y = fsdp::checkpointable(
+        *block,
+        [block](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{block->forward(in[0], in[1], in[2])}; },
+        {y, memory, dec_bias})[0];
+  }
   // The tied output projection, scaled as T5 v1.0 scales it.
   return torch::linear(dec_norm(y) * (1.0 / std::sqrt(static_cast<double>(cfg.d_model))), shared->weight);
 }

@@ -4,7 +4,8 @@
 // cross-attention in the decoder, a ReLU feed-forward, no biases, and an embedding shared by both
 // stacks and tied to the output projection (scaled by d_model^-1/2, as T5 v1.0 does). Attention
 // goes through at::scaled_dot_product_attention with the position bias as an additive mask (T5
-// does not scale scores: scale 1). Nothing here knows about sharding.
+// does not scale scores: scale 1). Nothing here knows about sharding; the blocks may be
+// checkpointed (fsdp/activation_checkpoint.h, plain libtorch autograd).
 #pragma once
 
 #include <torch/torch.h>
@@ -26,6 +27,14 @@ struct T5Config {
   double dropout = 0.0;
 
   int64_t num_parameters() const;
+  // Bytes of activations one training step of `batch` pairs of a `src_len`-token source and a
+  // `tgt_len`-token target holds at its peak (the start of backward), in a compute dtype of
+  // `element_size` bytes, counted from forward() below tensor by tensor (what autograd saves), and
+  // checked against the measured peak in docs/performance.md. `checkpointed`: every block under
+  // activation checkpointing. The head's share: head_activation_bytes.
+  int64_t activation_bytes(int64_t batch, int64_t src_len, int64_t tgt_len, int64_t element_size,
+                           bool checkpointed = false) const;
+  int64_t head_activation_bytes(int64_t batch, int64_t tgt_len, int64_t element_size) const;
   // "t5-tiny", "t5-small" (this machine), "t5-large" (737.7 M), "t5-3b" (2.85 B), "t5-11b"
   // (11.3 B: the paper's largest T5). Throws std::invalid_argument otherwise.
   static T5Config preset(const std::string& name);

@@ -196,4 +196,9 @@ torch::Tensor checkpointable(const torch::nn::Module& module, const TensorFn& fn
   return is_checkpointed(module) ? checkpoint(fn, input) : fn(input);
 }
 
+std::vector<torch::Tensor> checkpointable(const torch::nn::Module& module, const TensorsFn& fn,
+                                          const std::vector<torch::Tensor>& inputs) {
+  return is_checkpointed(module) ? checkpoint(fn, inputs) : fn(inputs);
+}
+
 }  // namespace fsdp

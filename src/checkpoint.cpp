@@ -305,7 +305,7 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
                                const TrainingState& state, const ShardedGradScaler* scaler) {
   wait();
   detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_at_rest("saving a checkpoint");
+  root.check_checkpointable("saving a checkpoint");
   const StateDictKind kind = impl_->options.kind;
   const MeshInfo& mi = root.comm().mesh();
   RankState rs = collect_rank_state(root, optimizer);
@@ -397,7 +397,7 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
 TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelBase& model,
                               torch::optim::Optimizer* optimizer, ShardedGradScaler* scaler) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_at_rest("loading a checkpoint");
+  root.check_checkpointable("loading a checkpoint");
   const MeshInfo& mi = root.comm().mesh();
   StagedLoad staged;
   nlohmann::json manifest;
@@ -441,7 +441,7 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
 
 void export_full(const std::string& path, FullyShardedDataParallelBase& model) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_at_rest("export_full");
+  root.check_checkpointable("export_full");
   const RankState rs = collect_rank_state(root, nullptr);
   const std::string tmp = path + ".tmp";
   const int rank = root.comm().mesh().rank;
@@ -452,7 +452,7 @@ void export_full(const std::string& path, FullyShardedDataParallelBase& model) {
 
 void load_model_file(const std::string& path, FullyShardedDataParallelBase& model) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_at_rest("load_model_file");
+  root.check_checkpointable("load_model_file");
   StagedLoad staged;
   const std::string err = error_of([&] {
     std::ifstream in(path, std::ios::binary);
@@ -493,7 +493,7 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
 
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedDataParallelBase& model, bool rank0_only) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_at_rest("full_state_dict");
+  root.check_checkpointable("full_state_dict");
   const bool keep = !rank0_only || root.comm().mesh().rank == 0;
   std::vector<std::pair<std::string, at::Tensor>> out;
   gather_units(
@@ -514,7 +514,7 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedData
 
 std::vector<std::pair<std::string, ShardedTensor>> sharded_state_dict(FullyShardedDataParallelBase& model) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_at_rest("sharded_state_dict");
+  root.check_checkpointable("sharded_state_dict");
   std::vector<std::pair<std::string, ShardedTensor>> out;
   for (const StatePiece& p : collect_rank_state(root, nullptr).pieces) {
     out.emplace_back(p.key, ShardedTensor{p.shape, p.flat_begin, p.local});

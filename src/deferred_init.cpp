@@ -221,15 +221,10 @@ DeferredInitGuard::~DeferredInitGuard() {
 
 bool is_deferred(const at::Tensor& t) { return recipe_of(t) != nullptr; }
 
-void materialize_into(const at::Tensor& t, at::Tensor out) {
-  auto recipe = recipe_of(t);
-  TORCH_CHECK(recipe, "fsdp: materialize_into: the tensor was not made by deferred_init");
-  TORCH_CHECK(recipe->replayable, "fsdp: this model was built with meta_init, for planning only; build it with "
-                                  "deferred_init to materialize it");
-  TORCH_CHECK(t.storage_offset() == recipe->storage_offset && t.sizes().vec() == recipe->sizes,
-              "fsdp: materialize_into: a parameter that is a part of a bigger deferred tensor is not supported");
-  TORCH_CHECK(out.sizes() == t.sizes() && out.scalar_type() == t.scalar_type(),
-              "fsdp: materialize_into: the output must have the tensor's shape and dtype");
+namespace {
+
+// Runs the recipe's recorded ops into `out`, a real contiguous tensor of the recipe's shape.
+void replay(const Recipe& recipe, at::Tensor& out) {
   at::NoGradGuard no_grad;
   // Replaying sets the generators to recorded states; the caller's stream of random numbers
   // continues afterwards as if nothing happened.
@@ -239,9 +234,7 @@ void materialize_into(const at::Tensor& t, at::Tensor out) {
     at::Generator gen = g;
     saved.emplace_back(gen, snapshot(gen));
   };
-  // Recorded views are relative to the deferred tensor, which factories make contiguous.
-  TORCH_CHECK(out.is_contiguous() && t.is_contiguous(), "fsdp: materialize_into needs contiguous tensors");
-  for (const RecordedOp& rec : recipe->ops) {
+  for (const RecordedOp& rec : recipe.ops) {
     if (rec.generator) {
       save(*rec.generator);
       at::Generator gen = *rec.generator;
@@ -260,12 +253,40 @@ void materialize_into(const at::Tensor& t, at::Tensor out) {
   for (auto& [gen, state] : saved) restore(gen, state);
 }
 
+}  // namespace
+
+void materialize_into(const at::Tensor& t, at::Tensor out) {
+  auto recipe = recipe_of(t);
+  TORCH_CHECK(recipe, "fsdp: materialize_into: the tensor was not made by deferred_init");
+  TORCH_CHECK(recipe->replayable, "fsdp: this model was built with meta_init, for planning only; build it with "
+                                  "deferred_init to materialize it");
+  TORCH_CHECK(out.sizes() == t.sizes() && out.scalar_type() == t.scalar_type(),
+              "fsdp: materialize_into: the output must have the tensor's shape and dtype");
+  // Recorded views are relative to the deferred tensor, which factories make contiguous.
+  TORCH_CHECK(out.is_contiguous(), "fsdp: materialize_into needs a contiguous output");
+  const bool whole = t.storage_offset() == recipe->storage_offset && t.sizes().vec() == recipe->sizes && t.is_contiguous();
+  if (whole) {
+    replay(*recipe, out);
+    return;
+  }
+  // A part of a bigger deferred tensor (a view the constructor registered, e.g. this rank's rows
+  // of a table drawn whole): its values are those of the whole tensor's construction, whose random
+  // draws are one stream that a part cannot be drawn from alone. So the whole is replayed into a
+  // scratch tensor (what a normal construction holds too) and the part copied out.
+  at::Tensor scratch = at::empty(recipe->sizes, out.options());
+  replay(*recipe, scratch);
+  at::NoGradGuard no_grad;
+  out.copy_(scratch.as_strided(t.sizes(), t.strides(), t.storage_offset() - recipe->storage_offset));
+}
+
 void adopt(at::Tensor& t, const at::Tensor& value) {
   auto recipe = recipe_of(t);
   // Keep the TensorImpl (the parameter's identity: modules, optimizers and hooks hold it) and its
   // autograd state; take value's storage, sizes, device and dispatch keys.
   t.unsafeGetTensorImpl()->shallow_copy_from(value.getIntrusivePtr());
-  if (recipe) {
+  // The recipe goes with the last tensor of its storage (several parameters may be parts of one
+  // deferred tensor; each is materialized from the recipe).
+  if (recipe && recipe->storage.use_count() == 1) {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_recipes.erase(recipe->storage.unsafeGetStorageImpl());
   }

@@ -18,7 +18,14 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   plan.shard_size = sharding_factor(options, W, local_world_size);
   plan.strategy = to_string(options.strategy);
   const int F = plan.shard_size;
-  const auto units = decompose(model, options.auto_wrap_policy);
+  const IgnoredSet ignored = ignored_tensors(model, options);
+  const auto units = decompose(model, options.auto_wrap_policy, ignored);
+  IgnoredSet counted;  // a tied parameter once
+  for (const auto& p : model.parameters(true)) {
+    if (!ignored.count(p.unsafeGetTensorImpl()) || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
+    const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    plan.ignored_state += bytes + (p.requires_grad() ? bytes + 2 * p.numel() * 4 : 0);
+  }
   std::vector<int64_t> nonroot_bytes;
   int64_t root_bytes = 0, all_unsharded = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0, root_compute_bytes = 0;
   int64_t largest_shard_reduce_bytes = 0;
@@ -146,6 +153,9 @@ std::string format_plans(const std::vector<MemoryPlan>& plans) {
   row("Adam state (fp32 exp_avg, exp_avg_sq)", &MemoryPlan::adam_state);
   if (std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.checkpoint_copy > 0; })) {
     row("asynchronous checkpoint copy", &MemoryPlan::checkpoint_copy);
+  }
+  if (std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.ignored_state > 0; })) {
+    row("ignored parameters (the caller's: values, gradients, Adam state)", &MemoryPlan::ignored_state);
   }
   row("peak gathered parameters", &MemoryPlan::peak_unsharded_params);
   row("peak unsharded gradients + reduce buffers", &MemoryPlan::peak_unsharded_grads);

@@ -5,7 +5,7 @@
 namespace fsdp {
 
 std::string describe_model(const torch::nn::Module& root, const std::vector<UnitPlan>& units, const Options& options,
-                           int shard_size) {
+                           int shard_size, const IgnoredSet& ignored) {
   std::ostringstream desc;
   desc << "strategy " << to_string(options.strategy) << " F=" << shard_size << "\n";
   // Every option that decides which collectives run, and when: ranks that differ in any of them
@@ -21,6 +21,11 @@ std::string describe_model(const torch::nn::Module& root, const std::vector<Unit
          << " buffer " << dtype_name(mp->buffer_dtype) << " keep_low_precision_grads " << mp->keep_low_precision_grads << "\n";
   }
   for (const auto& item : root.named_parameters(true)) {
+    if (ignored.count(item.value().unsafeGetTensorImpl())) {
+      // The caller's (e.g. this rank's rows of a table): the name and dtype must agree, the shape may not.
+      desc << "ignored param " << item.key() << " " << item.value().dtype() << "\n";
+      continue;
+    }
     desc << "param " << item.key() << " " << item.value().sizes() << " " << item.value().dtype()
          << " requires_grad=" << item.value().requires_grad() << "\n";
   }

@@ -25,11 +25,12 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   install_host_allocator();  // live tensor bytes counted, large blocks reused (process_memory.h)
   TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
   const int F = sharding_factor(options_, mesh_->world_size(), mesh_->env().local_world_size);
-  std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy);
+  ignored_ = ignored_tensors(*module_, options_);
+  std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy, ignored_);
 
   // Every rank must cut the same model the same way: compared before the first collective on
   // parameters.
-  const std::string desc = describe_model(*module_, plans, options_, F);
+  const std::string desc = describe_model(*module_, plans, options_, F, ignored_);
   MeshState::of(*mesh_).check_same_on_all_ranks("the model structure (parameter names, shapes, dtypes) or the FSDP options",
                                                 fingerprint(desc), desc);
 
@@ -46,6 +47,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
                                   "when every rank built the model with the same seed; drop sync_module_states");
     }
     materialize_buffers();
+    materialize_ignored();
   }
   comm_ = std::make_unique<CommContext>(device_, make_mesh_info(*mesh_, options_, device_.type()));
   if (options_.sync_module_states) broadcast_module_states();
@@ -82,17 +84,35 @@ void ShardedRoot::materialize_buffers() {
   }
 }
 
+void ShardedRoot::materialize_ignored() {
+  // The caller's parameters: whole, on every rank, on the target device, like buffers.
+  for (auto& p : module_->parameters(true)) {
+    if (!ignored_.count(p.unsafeGetTensorImpl()) || !is_deferred(p)) continue;
+    at::Tensor value = at::empty(p.sizes(), p.options().device(c10::kCPU));
+    materialize_into(p, value);
+    at::Tensor target = value.to(device_);
+    adopt(p, target);
+  }
+}
+
 void ShardedRoot::broadcast_module_states() {
   // Rank 0's values win; parameters and buffers in registration order, which the fingerprint
   // has already shown to be the same on every rank. One group of all W ranks.
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> tensors;
   std::set<const c10::TensorImpl*> seen;  // a tied weight once
+  // Ignored parameters, and the buffers of ignored modules, are the caller's (each rank may hold
+  // its own rows of a table): left as they are.
+  std::set<const c10::TensorImpl*> ignored_buffers;
+  for (const auto& m : options_.ignored_modules) {
+    for (const auto& b : m->buffers(true)) ignored_buffers.insert(b.unsafeGetTensorImpl());
+  }
   for (const auto& p : module_->parameters(true)) {
+    if (ignored_.count(p.unsafeGetTensorImpl())) continue;
     if (seen.insert(p.unsafeGetTensorImpl()).second) tensors.push_back(p.detach());
   }
   for (const auto& b : module_->buffers(true)) {
-    if (b.defined()) tensors.push_back(b.detach());
+    if (b.defined() && !ignored_buffers.count(b.unsafeGetTensorImpl())) tensors.push_back(b.detach());
   }
   if (tensors.empty() || mesh_->world_size() == 1) return;
   // On the tensors' own device (they have not moved to init_device yet).
@@ -149,8 +169,15 @@ void ShardedRoot::summon(bool rank0_only, bool writeback) {
   runtime_->set_summoned(true);
 }
 
-void ShardedRoot::check_at_rest(const char* what) {
+void ShardedRoot::check_checkpointable(const char* what) {
   runtime_->check_not_failed();
+  if (has_ignored()) {
+    throw std::invalid_argument(std::string("fsdp: ") + what + ": the model has parameters fsdp ignores "
+                                "(Options::ignored_modules / ignored_parameters); fsdp's checkpoints hold only what it "
+                                "shards, so a checkpoint of this model would silently lose them: refused. Not yet "
+                                "supported; for now save this model's state with your own code (each rank its own "
+                                "rows of an ignored table).");
+  }
   TORCH_CHECK(!summoned_, "fsdp: ", what, " cannot run inside a summon_full_params scope; end it first");
   TORCH_CHECK(runtime_->at_rest(), "fsdp: ", what, " must be called outside forward and backward, not between a "
                                    "forward and its backward");

@@ -14,6 +14,7 @@
 #include "fsdp/fsdp.h"
 #include "runtime.h"
 #include "unit.h"
+#include "unit_decomposition.h"
 
 namespace fsdp::detail {
 
@@ -42,16 +43,22 @@ class ShardedRoot {
   CommContext& comm() { return *comm_; }
   torch::nn::Module& module() { return *module_; }
   Mesh& mesh() { return *mesh_; }
-  // Throws unless every unit is at rest (outside forward and backward, no summon scope), naming `what`.
-  void check_at_rest(const char* what);
+  // Throws, naming `what`, unless the model can be saved or loaded now: every unit at rest
+  // (outside forward and backward, no summon scope) and no ignored parameters (Options::
+  // ignored_modules: checkpoints hold only what fsdp shards, and would silently lose them).
+  void check_checkpointable(const char* what);
+  // Parameters in no unit (Options::ignored_modules / ignored_parameters).
+  bool has_ignored() const { return !ignored_.empty(); }
 
  private:
   void materialize_buffers();
+  void materialize_ignored();
   void broadcast_module_states();
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<Mesh> mesh_;
   Options options_;
+  IgnoredSet ignored_;
   c10::Device device_{c10::kCPU};
   std::unique_ptr<CommContext> comm_;
   std::vector<std::unique_ptr<Unit>> units_;

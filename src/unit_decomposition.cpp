@@ -83,8 +83,43 @@ bool is_marked_unit(const torch::nn::Module& module) {
   return alive && alive.get() == &module;
 }
 
-std::vector<UnitPlan> decompose(torch::nn::Module& root, const WrapPolicy& policy) {
+IgnoredSet ignored_tensors(const torch::nn::Module& root, const Options& options) {
+  IgnoredSet out;
+  if (options.ignored_modules.empty() && options.ignored_parameters.empty()) return out;
+  std::unordered_set<const torch::nn::Module*> modules;
+  for (const auto& m : root.modules(/*include_self=*/true)) modules.insert(m.get());
+  IgnoredSet params;
+  for (const auto& p : root.parameters(/*recurse=*/true)) params.insert(p.unsafeGetTensorImpl());
+  for (const auto& m : options.ignored_modules) {
+    if (!m || !modules.count(m.get())) {
+      throw std::invalid_argument("fsdp: an entry of Options::ignored_modules (" + (m ? m->name() : std::string("null")) +
+                                  ") is not a module of the wrapped model; pass the model's own submodules");
+    }
+    if (m.get() == &root) {
+      throw std::invalid_argument("fsdp: Options::ignored_modules holds the wrapped model itself: nothing would be "
+                                  "sharded; train it without fsdp, or ignore only its submodules");
+    }
+    for (const auto& sub : m->modules(/*include_self=*/true)) {
+      if (is_marked_unit(*sub)) {
+        throw std::invalid_argument("fsdp: module " + sub->name() + " is both marked with fully_shard() and inside "
+                                    "Options::ignored_modules; drop one of the two");
+      }
+    }
+    for (const auto& p : m->parameters(/*recurse=*/true)) out.insert(p.unsafeGetTensorImpl());
+  }
+  for (const auto& p : options.ignored_parameters) {
+    if (!p.defined() || !params.count(p.unsafeGetTensorImpl())) {
+      throw std::invalid_argument("fsdp: an entry of Options::ignored_parameters is not a parameter of the wrapped "
+                                  "model; pass the model's own parameter tensors");
+    }
+    out.insert(p.unsafeGetTensorImpl());
+  }
+  return out;
+}
+
+std::vector<UnitPlan> decompose(torch::nn::Module& root, const WrapPolicy& policy, const IgnoredSet& ignored) {
   Decomposer d{policy, {}, {}, {}};
+  d.claimed = ignored;  // claimed by no unit: the caller's
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
     d.first_fqn.emplace(item.value().unsafeGetTensorImpl(), item.key());
   }

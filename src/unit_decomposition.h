@@ -28,7 +28,14 @@ struct UnitPlan {
 // Whether fully_shard() marked `module` (and the mark's module is still this one).
 bool is_marked_unit(const torch::nn::Module& module);
 
+// The parameters Options::ignored_modules and ignored_parameters leave to the caller, by
+// TensorImpl. Throws std::invalid_argument for an ignored module or parameter that is not part of
+// `root`, or a module both ignored and marked with fully_shard().
+using IgnoredSet = std::unordered_set<const c10::TensorImpl*>;
+IgnoredSet ignored_tensors(const torch::nn::Module& root, const Options& options);
+
 // Units in claim order (inner before outer), the root unit last if it got any parameters.
-std::vector<UnitPlan> decompose(torch::nn::Module& root, const WrapPolicy& policy);
+// Parameters in `ignored` go to no unit.
+std::vector<UnitPlan> decompose(torch::nn::Module& root, const WrapPolicy& policy, const IgnoredSet& ignored = {});
 
 }  // namespace fsdp

@@ -106,6 +106,15 @@ TEST(Misuse, ClearErrorsInsteadOfWrongResults) {
       // The tied embedding/head once in the wrapper's list, twice in libtorch's.
       EXPECT_EQ(j["unique_parameters"].get<int>() + 1, j["libtorch_parameters"].get<int>()) << what;
       EXPECT_EQ(j["named_first"], "tok_emb.weight") << what;
+      // Options::ignored_modules.
+      EXPECT_NE(j["ignored_not_in_model"].get<std::string>().find("not a module of the wrapped model"), std::string::npos) << what;
+      EXPECT_NE(j["ignored_marked"].get<std::string>().find("both marked with fully_shard()"), std::string::npos) << what;
+      EXPECT_FALSE(j["ignored_in_a_unit"].get<bool>()) << what;
+      EXPECT_TRUE(j["ignored_kept_own_value"].get<bool>()) << "sync_module_states leaves ignored parameters alone; " << what;
+      EXPECT_EQ(j["synced_value"].get<double>(), 1.0) << "rank 0's values for the others; " << what;
+      EXPECT_TRUE(j["ignored_grad_whole"].get<bool>()) << what;
+      EXPECT_EQ(j["ignored_listed"].get<int>(), j["unique_parameters"].get<int>()) << "still in parameters(); " << what;
+      EXPECT_NE(j["ignored_checkpoint"].get<std::string>().find("ignores"), std::string::npos) << what;
     }
   }
 }

@@ -9,7 +9,7 @@
 namespace train {
 
 std::optional<int> parse_cli(int argc, char** argv, Config& c) {
-  CLI::App app{"fsdp-train: train a GPT with Fully Sharded Data Parallel on libtorch"};
+  CLI::App app{"fsdp-train: train a GPT, T5 or DHEN-like model with Fully Sharded Data Parallel on libtorch"};
   app.add_option("--nproc-per-node", c.nproc, "spawn this many local ranks (otherwise use the torchrun environment)");
   app.add_option("--strategy", c.strategy, "full_shard|shard_grad_op|no_shard|hybrid_shard|hybrid_shard_zero2")
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"}));
@@ -20,7 +20,8 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--metrics-jsonl", c.metrics_jsonl, "append one JSON object per step per rank to this file");
   app.add_option("--data", c.data, "text file, folder of text files, or .u16/.bin file of uint16 token ids");
   app.add_option("--model", c.model, "GPT preset: tiny, small, default, medium (25 M parameters), large (50 M), 200m (203 M), 1b, 175b (--plan); "
-                 "with --plan also the T5 presets t5-tiny, t5-small, t5-large, t5-3b, t5-11b");
+                 "T5 (sequence to sequence: reverse the text): t5-tiny, t5-small, t5-large, t5-3b, t5-11b (--plan); "
+                 "DHEN-like recommendation model (synthetic clicks): dhen-tiny, dhen-small, dhen-large");
   app.add_option("--block-size", c.block_size, "sequence length (default: the preset's)");
   app.add_option("--lr", c.lr, "AdamW learning rate");
   app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");
@@ -91,6 +92,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "memory peaks and compute time, before booking the cluster (losses are not trained results)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--local", c.local, "baseline: plain libtorch training in one process, without fsdp");
+  app.add_flag("--ddp-baseline", c.ddp_baseline,
+               "baseline: every rank holds the whole model and averages gradients with bucketed all-reduces during "
+               "backward, as PyTorch's DDP does, without fsdp (the paper's Fig. 6a compares it with --strategy no_shard)");
   app.add_option("--export-init", c.export_init,
                  "write the initial weights, every step's batch and the settings to this folder, then exit");
   try {
@@ -113,7 +117,6 @@ fsdp::Options fsdp_options(const Config& c) {
   fsdp::Options opts;
   opts.strategy = fsdp::parse_strategy(c.strategy);
   opts.shard_size = c.shard_size;
-  opts.auto_wrap_policy = fsdp::module_type_policy<models::BlockImpl>();
   opts.backward_prefetch = fsdp::parse_backward_prefetch(c.backward_prefetch);
   opts.forward_prefetch = c.forward_prefetch;
   opts.prefetch_count = c.prefetch_count;
@@ -125,15 +128,6 @@ fsdp::Options fsdp_options(const Config& c) {
   }
   opts.memory_budget.max_bytes_per_rank = parse_memory_size(c.max_memory);
   opts.memory_budget.async_checkpoint = c.async_save && c.device == "cpu";
-  return opts;
-}
-
-fsdp::Options fsdp_options(const Config& c, const models::GPTConfig& cfg, int world_size) {
-  fsdp::Options opts = fsdp_options(c);
-  const int64_t micro_batch = c.global_batch / world_size / std::max(1, c.grad_accum);
-  const int64_t element = opts.mixed_precision ? c10::elementSize(opts.mixed_precision->param_dtype) : 4;
-  opts.memory_budget.activation_bytes = cfg.activation_bytes(micro_batch, cfg.block_size, element, c.activation_checkpointing);
-  opts.memory_budget.head_activation_bytes = cfg.head_activation_bytes(micro_batch, cfg.block_size, element);
   return opts;
 }
 

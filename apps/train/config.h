@@ -30,6 +30,7 @@ struct Config {
   int eval_every = 0;        // every N steps, the loss on a held-out batch (forward only); 0: never
   int threads = 0;           // intra-op threads per rank; 0: the cores divided among the local ranks
   bool local = false;        // baseline: plain libtorch training in one process, no fsdp
+  bool ddp_baseline = false;  // baseline: every rank a whole replica, gradients all-reduced DDP-style (ddp_baseline.cpp)
   std::string export_init;   // write initial weights, batches and settings here, then exit
   std::string device = "cpu";
   std::string backward_prefetch = "backward_pre";
@@ -77,10 +78,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c);
 
 // The GPT the flags ask for, with the vocabulary grown to the data's.
 models::GPTConfig model_config(const Config& c, const models::TokenSource& data);
-// The fsdp options the flags ask for; the GPT's blocks are the units. With the GPT's config, the
-// memory budget carries the activations of one rank's micro-batch.
+// The fsdp options the flags ask for; the workload (workload.h) adds its units and its
+// activation estimate.
 fsdp::Options fsdp_options(const Config& c);
-fsdp::Options fsdp_options(const Config& c, const models::GPTConfig& cfg, int world_size);
 // "auto" -> MemoryBudget::kAuto, "0" -> kOff, "1.5GiB" / "800MiB" / "64KiB" / "2e9" -> bytes.
 int64_t parse_memory_size(const std::string& text);
 

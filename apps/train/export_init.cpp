@@ -14,6 +14,10 @@ namespace train {
 
 int export_init(const Config& c) {
   namespace fs = std::filesystem;
+  if (c.model.rfind("t5-", 0) == 0 || c.model.rfind("dhen-", 0) == 0) {
+    throw std::invalid_argument("--export-init writes the GPT's initial weights for bench/vs_pytorch.py; --model " +
+                                c.model + " has no Python counterpart there");
+  }
   fs::create_directories(c.export_init);
   auto data = models::TokenSource::from_path(c.data);
   const auto cfg = model_config(c, data);

@@ -1,7 +1,9 @@
-// fsdp-train: the main job. Trains a GPT-style decoder (plain libtorch, models/gpt.h) on real text
-// with a byte-level tokenizer, sharded with fsdp across local ranks (--nproc-per-node) or ranks
-// started by torchrun. The global batch is fixed whatever the world size, so runs at different W
-// compute the same math.
+// fsdp-train: the main job. Trains one of the paper's three workloads (workload.h): by default a
+// GPT-style decoder (plain libtorch, models/gpt.h) on real text with a byte-level tokenizer; T5
+// (--model t5-*) on a sequence-to-sequence task over the same text; a DHEN-like recommendation
+// model (--model dhen-*) on synthetic clicks. Sharded with fsdp across local ranks
+// (--nproc-per-node) or ranks started by torchrun. The global batch is fixed whatever the world
+// size, so runs at different W compute the same math.
 #include <cstdlib>
 #include <iostream>
 

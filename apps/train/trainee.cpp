@@ -5,9 +5,11 @@ namespace {
 
 class LocalTrainee final : public Trainee {
  public:
-  LocalTrainee(models::GPT model, std::vector<torch::Tensor> unique) : model_(std::move(model)), unique_(std::move(unique)) {}
+  LocalTrainee(std::shared_ptr<torch::nn::Module> model, std::vector<torch::Tensor> unique)
+      : model_(std::move(model)), unique_(std::move(unique)) {}
   void begin_step() override {}
-  torch::Tensor forward(const torch::Tensor& x) override { return model_->forward(x); }
+  torch::Tensor forward(const std::function<torch::Tensor()>& forward) override { return forward(); }
+  std::optional<c10::ScalarType> input_dtype() const override { return std::nullopt; }
   std::shared_ptr<void> no_sync() override { return nullptr; }
   void clip_grad_norm(double max_norm) override { torch::nn::utils::clip_grad_norm_(unique_, max_norm); }
   fsdp::Metrics metrics() const override {
@@ -22,16 +24,21 @@ class LocalTrainee final : public Trainee {
   fsdp::FullyShardedDataParallelBase* wrapped() override { return nullptr; }
 
  private:
-  models::GPT model_;
+  std::shared_ptr<torch::nn::Module> model_;
   std::vector<torch::Tensor> unique_;
 };
 
 class ShardedTrainee final : public Trainee {
  public:
-  ShardedTrainee(models::GPT model, std::shared_ptr<fsdp::Mesh> mesh, fsdp::Options options, std::string strategy)
-      : fsdp_(model, std::move(mesh), std::move(options)), strategy_(std::move(strategy)) {}
+  ShardedTrainee(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<fsdp::Mesh> mesh, fsdp::Options options,
+                 std::string strategy)
+      : input_dtype_(options.mixed_precision ? std::optional<c10::ScalarType>(options.mixed_precision->param_dtype)
+                                             : std::nullopt),
+        fsdp_(std::move(model), std::move(mesh), std::move(options)),
+        strategy_(std::move(strategy)) {}
   void begin_step() override { fsdp_.reset_step(); }
-  torch::Tensor forward(const torch::Tensor& x) override { return fsdp_.forward(x); }
+  torch::Tensor forward(const std::function<torch::Tensor()>& forward) override { return fsdp_.forward_with(forward); }
+  std::optional<c10::ScalarType> input_dtype() const override { return input_dtype_; }
   std::shared_ptr<void> no_sync() override {
     return std::make_shared<fsdp::FullyShardedDataParallelBase::NoSync>(fsdp_.no_sync());
   }
@@ -49,18 +56,19 @@ class ShardedTrainee final : public Trainee {
   fsdp::FullyShardedDataParallelBase* wrapped() override { return &fsdp_; }
 
  private:
-  fsdp::FullyShardedDataParallel<models::GPTImpl> fsdp_;
+  std::optional<c10::ScalarType> input_dtype_;
+  fsdp::FullyShardedDataParallel<torch::nn::Module> fsdp_;
   std::string strategy_;
 };
 
 }  // namespace
 
-std::unique_ptr<Trainee> local_trainee(models::GPT model, std::vector<torch::Tensor> unique_params) {
+std::unique_ptr<Trainee> local_trainee(std::shared_ptr<torch::nn::Module> model, std::vector<torch::Tensor> unique_params) {
   return std::make_unique<LocalTrainee>(std::move(model), std::move(unique_params));
 }
 
-std::unique_ptr<Trainee> sharded_trainee(models::GPT model, std::shared_ptr<fsdp::Mesh> mesh, fsdp::Options options,
-                                         const std::string& strategy) {
+std::unique_ptr<Trainee> sharded_trainee(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<fsdp::Mesh> mesh,
+                                         fsdp::Options options, const std::string& strategy) {
   return std::make_unique<ShardedTrainee>(std::move(model), std::move(mesh), std::move(options), strategy);
 }
 

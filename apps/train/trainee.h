@@ -2,14 +2,15 @@
 // (--local, the baseline). One interface, so the loop has one body.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
 #include "fsdp/fsdp.h"
-#include "models/gpt.h"
 
 namespace train {
 
@@ -17,9 +18,15 @@ class Trainee {
  public:
   virtual ~Trainee() = default;
   virtual void begin_step() = 0;  // a new step for the metrics
-  virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+  // Runs `forward` (the workload's forward of the model) as the model's forward: under fsdp, as
+  // the root's.
+  virtual torch::Tensor forward(const std::function<torch::Tensor()>& forward) = 0;
+  // Mixed precision's compute dtype, which floating-point inputs are cast to (unset: none).
+  virtual std::optional<c10::ScalarType> input_dtype() const = 0;
   // Scope for micro-batches whose gradients accumulate without communication (no-op locally).
   virtual std::shared_ptr<void> no_sync() = 0;
+  // Called after each backward: where the DDP-style baseline waits for its gradient all-reduces.
+  virtual void finish_backward() {}
   virtual void clip_grad_norm(double max_norm) = 0;
   virtual fsdp::Metrics metrics() const = 0;  // what this rank holds and moved this step
   virtual std::string describe() const = 0;
@@ -31,8 +38,12 @@ class Trainee {
 };
 
 // `unique_params`: the model's parameters, a tied weight once.
-std::unique_ptr<Trainee> local_trainee(models::GPT model, std::vector<torch::Tensor> unique_params);
-std::unique_ptr<Trainee> sharded_trainee(models::GPT model, std::shared_ptr<fsdp::Mesh> mesh, fsdp::Options options,
-                                         const std::string& strategy);
+std::unique_ptr<Trainee> local_trainee(std::shared_ptr<torch::nn::Module> model, std::vector<torch::Tensor> unique_params);
+// The DDP-style baseline (ddp_baseline.cpp): the whole model on every rank of `mesh`, gradients
+// averaged with bucketed all-reduces overlapping backward.
+std::unique_ptr<Trainee> ddp_trainee(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<fsdp::Mesh> mesh,
+                                     std::vector<torch::Tensor> unique_params);
+std::unique_ptr<Trainee> sharded_trainee(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<fsdp::Mesh> mesh,
+                                         fsdp::Options options, const std::string& strategy);
 
 }  // namespace train

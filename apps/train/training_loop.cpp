@@ -1,5 +1,6 @@
-// fsdp-train's training run (one rank): builds the GPT, wraps it (or not, with --local), and runs
-// the loop: zero_grad, forward, backward (scaled with fp16), clip, step, log.
+// fsdp-train's training run (one rank): builds the workload's model (workload.h: the GPT, T5 or the
+// DHEN-like model), wraps it (or not, with --local), and runs the loop: zero_grad, forward,
+// backward (scaled with fp16), clip, step, log.
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -22,6 +23,7 @@
 #include "memory_log.h"
 #include "metrics_log.h"
 #include "trainee.h"
+#include "workload.h"
 
 namespace train {
 namespace {
@@ -33,10 +35,10 @@ struct Optimizer {
   std::unique_ptr<torch::optim::AdamW> adamw;
 };
 
-Optimizer make_optimizer(models::GPT& model, const Config& c) {
+Optimizer make_optimizer(torch::nn::Module& model, const Config& c) {
   std::vector<torch::Tensor> decay, no_decay;
   std::set<const c10::TensorImpl*> seen;
-  for (const auto& item : model->named_parameters()) {
+  for (const auto& item : model.named_parameters()) {
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied weight once
     const bool exempt = item.key().find("bias") != std::string::npos || item.key().find("ln") != std::string::npos;
     (exempt ? no_decay : decay).push_back(item.value());
@@ -66,11 +68,37 @@ fsdp::MemoryPlan local_plan(torch::nn::Module& meta, const fsdp::Options& sharde
   return plan;
 }
 
-// Training FLOPs per token of the GPT (forward and backward: 3 x the forward's 2 per weight, and
-// attention's two T x d products per layer), to scale a sample of blocks to the whole model.
-double train_flops_per_token(const models::GPTConfig& g) {
-  const double d = static_cast<double>(g.d_model), L = static_cast<double>(g.n_layer);
-  return 6.0 * (12.0 * L * d * d + static_cast<double>(g.vocab_size) * d) + 12.0 * L * static_cast<double>(g.block_size) * d;
+// The global batch's mean of `value` (each rank's mean over an equal slice).
+double global_mean(fsdp::Mesh& mesh, const torch::Tensor& value) {
+  std::vector<at::Tensor> l{value.detach().reshape({1}).to(torch::kCPU, torch::kFloat).clone()};
+  mesh.world()->allreduce(l)->wait();
+  return l[0].item<double>() / mesh.world_size();
+}
+
+// Every rank's slice of `t` (equal slices, first dimension), in rank order, on every rank.
+torch::Tensor all_gather_rows(fsdp::Mesh& mesh, const torch::Tensor& t) {
+  torch::Tensor mine = t.detach().to(torch::kCPU, torch::kFloat).contiguous();
+  if (mesh.world_size() == 1) return mine;
+  std::vector<int64_t> shape = mine.sizes().vec();
+  shape[0] *= mesh.world_size();
+  torch::Tensor all = torch::empty(shape, mine.options());
+  mesh.world()->_allgather_base(all, mine)->wait();
+  return all;
+}
+
+Batch on_device(Batch b, const torch::Device& device) {
+  if (!device.is_cuda()) return b;
+  for (auto& t : b.inputs) t = t.to(device, /*non_blocking=*/true);
+  b.targets = b.targets.to(device, /*non_blocking=*/true);
+  return b;
+}
+
+// Samples [begin, begin + n) of `b`: a micro-batch.
+Batch slice(const Batch& b, int64_t begin, int64_t n) {
+  Batch out;
+  for (const auto& t : b.inputs) out.inputs.push_back(t.narrow(0, begin, n));
+  out.targets = b.targets.narrow(0, begin, n);
+  return out;
 }
 
 }  // namespace
@@ -113,29 +141,33 @@ int train(const Config& c) {
   for (const std::string& dir : {c.trace_dir, c.memory_timeline}) {
     if (!dir.empty()) std::filesystem::create_directories(dir);
   }
-  if (c.model.rfind("t5-", 0) == 0) {
-    throw std::invalid_argument("--model " + c.model + ": fsdp-train trains the GPT presets; the T5 presets are planned "
-                                "with --plan (T5 itself trains in the parity tests, tests/worker/parity.cpp)");
-  }
   if (c.local && W != 1) throw std::invalid_argument("--local trains in one process; drop --nproc-per-node");
-  if (c.local && c.mixed_precision != "none") throw std::invalid_argument("--mixed-precision needs fsdp; drop --local");
+  if (c.local && c.ddp_baseline) throw std::invalid_argument("--local and --ddp-baseline are two baselines; pick one");
+  if (simulated && c.ddp_baseline) throw std::invalid_argument("--simulate-rank runs one rank of a sharded job; drop --ddp-baseline");
+  // Without fsdp: one process (--local), or every rank a whole replica (--ddp-baseline).
+  const bool plain = c.local || c.ddp_baseline;
+  const char* plain_flag = c.local ? "--local" : "--ddp-baseline";
+  if (plain && c.mixed_precision != "none") {
+    throw std::invalid_argument(std::string("--mixed-precision needs fsdp; drop ") + plain_flag);
+  }
   if ((c.global_batch / W) % c.grad_accum != 0) {
     throw std::invalid_argument("--grad-accum " + std::to_string(c.grad_accum) + " does not divide the " +
                                 std::to_string(c.global_batch / W) + " sequences of each rank's batch");
   }
 
-  auto data = models::TokenSource::from_path(c.data);
-  const auto full_cfg = model_config(c, data);
-  auto cfg = full_cfg;  // what this process builds: the whole model, or a simulated rank's sample of its blocks
+  const std::unique_ptr<Workload> workload = make_workload(c);
   if (c.simulate_layers > 0) {
+    // What this process builds: the whole model, or a simulated rank's sample of its blocks.
     if (!simulated) throw std::invalid_argument("--simulate-layers samples the blocks of a --simulate-rank run");
-    if (c.simulate_layers >= full_cfg.n_layer) {
-      throw std::invalid_argument("--simulate-layers " + std::to_string(c.simulate_layers) + " is not below the model's " +
-                                  std::to_string(full_cfg.n_layer) + " blocks; drop it to run them all");
+    if (workload->flops_scale(c.simulate_layers) == 0) {
+      throw std::invalid_argument("--simulate-layers: " + workload->name() + " cannot be sampled by blocks; drop it");
     }
-    cfg.n_layer = c.simulate_layers;
+    if (workload->flops_scale(c.simulate_layers) <= 1.0) {
+      throw std::invalid_argument("--simulate-layers " + std::to_string(c.simulate_layers) +
+                                  " is not below the model's blocks; drop it to run them all");
+    }
   }
-  if (c.local && c.init == "deferred") throw std::invalid_argument("--init deferred needs fsdp; drop --local");
+  if (plain && c.init == "deferred") throw std::invalid_argument(std::string("--init deferred needs fsdp; drop ") + plain_flag);
   torch::Device device(torch::kCPU);
   if (c.device == "cuda") {
     if (!torch::cuda::is_available()) throw std::invalid_argument("--device cuda: no CUDA device is visible to this process");
@@ -143,7 +175,10 @@ int train(const Config& c) {
     // NCCL talks to the current device: make it this rank's.
     c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
   }
-  fsdp::Options options = fsdp_options(c, full_cfg, W);
+  fsdp::Options options = fsdp_options(c);
+  // Activations of one rank's micro-batch, in the compute dtype.
+  const int64_t micro_batch = c.global_batch / W / std::max(1, c.grad_accum);
+  const int64_t element = options.mixed_precision ? c10::elementSize(options.mixed_precision->param_dtype) : 4;
   // The paper's way to build a sharded model (§3.1): deferred, then materialized unit by unit as
   // shards, so no rank ever holds the whole model. Its values are bit for bit those of a normal
   // construction from the same seed. The plan, from a meta model, says whether it is sharded;
@@ -151,8 +186,9 @@ int train(const Config& c) {
   bool deferred = false;
   fsdp::MemoryPlan plan;
   {
-    auto meta = fsdp::meta_init([&] { return models::GPT(full_cfg); });  // the whole model's plan
-    if (c.local) {
+    auto meta = fsdp::meta_init([&] { return workload->build(plain ? nullptr : mesh); });  // the whole model's plan
+    workload->configure(options, *meta, micro_batch, element, c.activation_checkpointing);
+    if (plain) {
       plan = local_plan(*meta, options);
       const int64_t budget = fsdp::memory_budget_bytes(options, device, 1);
       if (budget > 0 && plan.total() > budget) {
@@ -167,10 +203,10 @@ int train(const Config& c) {
   }
   const int64_t live_before_model = fsdp::process_memory().live_tensor_bytes;
   torch::manual_seed(c.seed);  // the same initial weights on every rank
-  models::GPT model = deferred ? fsdp::deferred_init([&] { return models::GPT(cfg); }) : models::GPT(cfg);
-  if (c.activation_checkpointing) {
-    fsdp::apply_activation_checkpointing(*model, fsdp::checkpoint_modules_of_type<models::BlockImpl>());
-  }
+  auto build = [&] { return workload->build(plain ? nullptr : mesh, c.simulate_layers); };
+  std::shared_ptr<torch::nn::Module> model = deferred ? fsdp::deferred_init(build) : build();
+  workload->configure(options, *model, micro_batch, element, c.activation_checkpointing);  // this model's own modules
+  if (c.activation_checkpointing) workload->apply_checkpointing(*model);
   if (deferred) {
     options.init_device = device;
   } else if (device.is_cuda()) {
@@ -181,14 +217,16 @@ int train(const Config& c) {
   std::optional<fsdp::ShardedGradScaler> scaler;
   if (c.mixed_precision == "fp16") scaler.emplace(mesh);
   std::unique_ptr<Trainee> trainee;
-  if (!c.local) trainee = sharded_trainee(model, mesh, options, c.strategy);
-  Optimizer optim = make_optimizer(model, c);  // after sharding: it steps this rank's shards
+  if (!plain) trainee = sharded_trainee(model, mesh, options, c.strategy);
+  Optimizer optim = make_optimizer(*model, c);  // after sharding: it steps this rank's shards
   if (c.local) trainee = local_trainee(model, optim.unique_params);
+  if (c.ddp_baseline) trainee = ddp_trainee(model, mesh, optim.unique_params);
   const fsdp::ProcessMemory constructed = fsdp::process_memory(device);
 
   // Checkpoints: weights from a file, a resumed run, and the checkpointer for this one.
-  if (c.local && (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty() || !c.load_weights.empty())) {
-    throw std::invalid_argument("--save-dir, --resume, --export-full and --load-weights need fsdp; drop --local");
+  if (plain && (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty() || !c.load_weights.empty())) {
+    throw std::invalid_argument(std::string("--save-dir, --resume, --export-full and --load-weights need fsdp; drop ") +
+                                plain_flag);
   }
   fsdp::FullyShardedDataParallelBase* wrapped = trainee->wrapped();
   fsdp::ShardedGradScaler* scaler_ptr = scaler ? &*scaler : nullptr;
@@ -232,14 +270,18 @@ int train(const Config& c) {
   }
 
   if (prints) {
-    std::cout << "fsdp-train: GPT '" << c.model << "' " << cfg.num_parameters() << " parameters, "
-              << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch " << c.global_batch << " x " << cfg.block_size
-              << " tokens, corpus " << data.origin() << " (" << data.size() << " tokens)" << std::endl;
+    std::cout << "fsdp-train: " << workload->name() << " " << workload->num_parameters() << " parameters, "
+              << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch "
+              << c.global_batch << " x " << workload->tokens_per_sample() << " tokens, " << workload->data_origin()
+              << std::endl;
     if (W > 1 && !simulated) std::cout << "fsdp-train: Gloo communicates over " << mesh->network() << std::endl;
   }
   JsonlWriter metrics_out(c.metrics_jsonl);
   const int64_t per_rank = c.global_batch / W;
-  const double tokens_per_step = static_cast<double>(c.global_batch * cfg.block_size);
+  const double tokens_per_step = static_cast<double>(c.global_batch * workload->tokens_per_sample());
+  auto loss_of = [&](const Batch& b) {
+    return workload->loss(trainee->forward([&] { return workload->forward(*model, b, trainee->input_dtype()); }), b);
+  };
   std::vector<double> sampled_step_ms;  // --simulate-layers: the steps after the first
   std::optional<MemoryTimeline> timeline;
   if (!c.memory_timeline.empty()) timeline.emplace(device);
@@ -256,20 +298,17 @@ int train(const Config& c) {
     const fsdp::HostMemoryPeak peak;  // live tensor bytes through the step
     const LinkCounters links_before = LinkCounters::read();
     const auto t0 = std::chrono::steady_clock::now();
-    auto [x, y] = data.batch(step, c.global_batch, cfg.block_size, c.seed, rank * per_rank, (rank + 1) * per_rank);
-    if (device.is_cuda()) {
-      x = x.to(device, /*non_blocking=*/true);
-      y = y.to(device, /*non_blocking=*/true);
-    }
+    const Batch batch = on_device(workload->batch(step, c.global_batch, c.seed, rank * per_rank, (rank + 1) * per_rank), device);
     optim.adamw->zero_grad();
     // Micro-batches of this rank's slice: all but the last accumulate without communicating.
     torch::Tensor loss;
     if (c.grad_accum == 1) {
       mark("forward");
-      loss = models::lm_loss(trainee->forward(x), y);
+      loss = loss_of(batch);
       memory["after_forward"] = to_json(fsdp::process_memory(device));
       mark("backward");
       if (scaler) scaler->scale(loss).backward(); else loss.backward();
+      trainee->finish_backward();
     } else {
       const int64_t micro = per_rank / c.grad_accum;
       loss = torch::zeros({}, torch::TensorOptions().device(device));
@@ -277,11 +316,11 @@ int train(const Config& c) {
         std::shared_ptr<void> quiet;
         if (m + 1 < c.grad_accum) quiet = trainee->no_sync();
         mark("forward");
-        auto part = models::lm_loss(trainee->forward(x.narrow(0, m * micro, micro)), y.narrow(0, m * micro, micro)) /
-                    c.grad_accum;
+        auto part = loss_of(slice(batch, m * micro, micro)) / c.grad_accum;
         if (m + 1 == c.grad_accum) memory["after_forward"] = to_json(fsdp::process_memory(device));
         mark("backward");
         if (scaler) scaler->scale(part).backward(); else part.backward();
+        trainee->finish_backward();
         loss = loss + part.detach();
       }
     }
@@ -307,14 +346,12 @@ int train(const Config& c) {
       }
     }
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
-    std::vector<at::Tensor> l{loss.detach().reshape({1}).to(torch::kCPU, torch::kFloat).clone()};
-    mesh->world()->allreduce(l)->wait();
     StepRecord r;
     r.rank = rank;
     r.local_rank = env.local_rank;
     r.node_rank = rank / env.local_world_size;
     r.step = step;
-    r.loss = l[0].item<double>() / W;
+    r.loss = global_mean(*mesh, loss);
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
     r.metrics = trainee->metrics();
@@ -330,20 +367,18 @@ int train(const Config& c) {
     if (c.eval_every > 0 && (step + 1) % c.eval_every == 0) {
       // Forward only: no graph, nothing gathered stays behind.
       torch::NoGradGuard no_grad;
-      auto [ex, ey] = data.batch(-1 - step, c.global_batch, cfg.block_size, c.seed + 1, rank * per_rank,
-                                 (rank + 1) * per_rank);
-      if (device.is_cuda()) {
-        ex = ex.to(device);
-        ey = ey.to(device);
-      }
-      std::vector<at::Tensor> e{models::lm_loss(trainee->forward(ex), ey).detach().reshape({1}).to(torch::kCPU, torch::kFloat)};
-      mesh->world()->allreduce(e)->wait();
-      if (prints) std::cout << "step " << step << " | eval loss " << e[0].item<double>() / W << std::endl;
+      const int64_t eval_n = workload->eval_samples(c.global_batch), eval_per_rank = eval_n / W;
+      const Batch held_out = on_device(
+          workload->batch(-1 - step, eval_n, c.seed, rank * eval_per_rank, (rank + 1) * eval_per_rank), device);
+      const torch::Tensor out = trainee->forward([&] { return workload->forward(*model, held_out, trainee->input_dtype()); });
+      const double eval_loss = global_mean(*mesh, workload->loss(out, held_out));
+      const std::string more = workload->evaluate(all_gather_rows(*mesh, out), all_gather_rows(*mesh, held_out.targets));
+      if (prints) std::cout << "step " << step << " | eval loss " << eval_loss << (more.empty() ? "" : " | " + more) << std::endl;
     }
     nlohmann::json record = to_json(r);
     if (simulated) record["simulated"] = true;  // not a trained result
     if (c.simulate_layers > 0) {
-      record["simulated_layers"] = {{"built", cfg.n_layer}, {"of", full_cfg.n_layer}};
+      record["simulated_layers"] = {{"built", c.simulate_layers}, {"flops_scale", workload->flops_scale(c.simulate_layers)}};
       if (step > start_step) sampled_step_ms.push_back(r.step_ms);
     }
     if (checkpointer && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
@@ -376,9 +411,9 @@ int train(const Config& c) {
     } else {
       std::sort(sampled_step_ms.begin(), sampled_step_ms.end());
       const double median = sampled_step_ms[sampled_step_ms.size() / 2];
-      const double scale = train_flops_per_token(full_cfg) / train_flops_per_token(cfg);
-      std::cout << "fsdp-train: SIMULATED: timed " << cfg.n_layer << " of " << full_cfg.n_layer
-                << " blocks: median step " << static_cast<int64_t>(median) << " ms; the whole model's step "
+      const double scale = workload->flops_scale(c.simulate_layers);
+      std::cout << "fsdp-train: SIMULATED: timed " << c.simulate_layers
+                << " of the model's blocks: median step " << static_cast<int64_t>(median) << " ms; the whole model's step "
                 << "would compute for about " << static_cast<int64_t>(median * scale) << " ms on this device (x"
                 << scale << " by FLOPs; no communication). The memory plan (plan_bytes) is the whole model's; the "
                 << "measured peaks are the sample's." << std::endl;

@@ -61,5 +61,9 @@ bool is_checkpointed(const torch::nn::Module& module);
 // For a model's forward, where it calls a child: fn(input) checkpointed when `module` is marked,
 // plainly otherwise.
 torch::Tensor checkpointable(const torch::nn::Module& module, const TensorFn& fn, const torch::Tensor& input);
+// The same for a child with several tensor inputs (T5's blocks: the hidden states, the position
+// bias, the encoder's output) or several outputs.
+std::vector<torch::Tensor> checkpointable(const torch::nn::Module& module, const TensorsFn& fn,
+                                          const std::vector<torch::Tensor>& inputs);
 
 }  // namespace fsdp

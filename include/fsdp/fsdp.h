@@ -126,6 +126,7 @@ class FullyShardedDataParallelBase {
   }
 
   // Clips gradients by their exact global 2-norm (over all ranks' shards) and returns that norm.
+  // Parameters in Options::ignored_modules are the caller's and are not included.
   double clip_grad_norm_(double max_norm);
 
   Metrics metrics() const;

@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <torch/nn/module.h>
 
@@ -106,6 +108,17 @@ struct Options {
   int shard_size = 0;
   // Modules that become units besides those marked with fully_shard(). Empty: no automatic units.
   WrapPolicy auto_wrap_policy;
+  // Parameters fsdp leaves alone (PyTorch's ignored_modules / ignored_states): every parameter of
+  // these modules' subtrees, and these parameters. They are in no unit: never flattened, sharded,
+  // gathered, reduced, cast for mixed precision or broadcast by sync_module_states, and autograd
+  // accumulates their gradients as in plain libtorch. What they hold is the caller's to keep
+  // consistent: the paper's DHEN (§2.3, §5) shards its embedding tables model-parallel this way,
+  // each rank its own rows, exchanged with all-to-all (models/row_sharded_embedding.h). They may
+  // differ in shape across ranks. They stay in parameters() (an optimizer built from it steps
+  // them) but clip_grad_norm_ covers only fsdp's parameters, and checkpoints refuse a model that
+  // has them (save them yourself). A deferred_init model materializes them whole, on every rank.
+  std::vector<std::shared_ptr<torch::nn::Module>> ignored_modules;
+  std::vector<at::Tensor> ignored_parameters;
 
   // --- overlap of communication with computation (paper §3.3, §3.4) ---
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;

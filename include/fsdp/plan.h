@@ -46,6 +46,9 @@ struct MemoryPlan {
   // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the
   // next step (Options::memory_budget.async_checkpoint).
   int64_t checkpoint_copy = 0;
+  // Parameters fsdp leaves alone (Options::ignored_modules), as this rank holds them: their
+  // values, autograd's gradients of them and Adam's two fp32 moments.
+  int64_t ignored_state = 0;
   int64_t head_activations = 0;  // of `activations`, the head's (freed first in backward)
   // What backward's peak is made of (backward_peak()): the units backward walks through, the
   // largest unit's unsharded gradients in the compute dtype and its reduce buffer (a reduce-scatter
@@ -66,7 +69,9 @@ struct MemoryPlan {
   // The largest such sum.
   int64_t backward_peak() const;
   // The peak per rank: the state and backward's peak.
-  int64_t total() const { return sharded_params + sharded_grads + adam_state + checkpoint_copy + backward_peak(); }
+  int64_t total() const {
+    return sharded_params + sharded_grads + adam_state + checkpoint_copy + ignored_state + backward_peak();
+  }
 };
 
 // `local_world_size` is the ranks per node (F for the hybrid strategies without a shard size).

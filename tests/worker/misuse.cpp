@@ -2,8 +2,10 @@
 //   What happens when a user steps outside the supported path, one fresh tiny GPT per case: the
 //   model's own forward called directly, model->to() or set_data() on a parameter after wrapping,
 //   an optimizer step while a forward's graph still needs gathered parameters, reading parameters
-//   outside forward, and the wrapper's deduplicated parameter list. Writes, per case, the error
+//   outside forward, the wrapper's deduplicated parameter list, and ignored modules (what fsdp leaves alone:
+//   not in a unit, not broadcast, whole gradients; the errors around them). Writes, per case, the error
 //   message (or "" when nothing was thrown) and what was observed.
+#include "fsdp/checkpoint.h"
 #include "worker.h"
 
 namespace worker {
@@ -72,6 +74,44 @@ json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     p.set_data(torch::ones({32}));
     auto [x, y] = batch();
     out["set_data_after_wrap"] = error_of([&] { sharded.forward(x); });
+  }
+  {  // Options::ignored_modules: what fsdp leaves alone, and the errors around it
+    auto model = fresh();
+    auto other = torch::nn::Linear(4, 4);
+    fsdp::Options o = opts;
+    o.ignored_modules = {other.ptr()};
+    out["ignored_not_in_model"] = error_of([&] { fsdp::FullyShardedDataParallel sharded(model, mesh, o); });
+    fsdp::fully_shard(*model->blocks[0]);
+    o.ignored_modules = {model->blocks[0]};
+    out["ignored_marked"] = error_of([&] { fsdp::FullyShardedDataParallel sharded(model, mesh, o); });
+  }
+  {
+    auto model = fresh();
+    fsdp::Options o = opts;
+    o.ignored_modules = {model->pos_emb.ptr()};
+    o.sync_module_states = true;
+    {  // each rank's own values: sync_module_states broadcasts rank 0's, but not the ignored ones
+      torch::NoGradGuard no_grad;
+      model->pos_emb->weight.fill_(static_cast<double>(rank));
+      model->ln_f->weight.fill_(static_cast<double>(rank + 1));
+    }
+    fsdp::FullyShardedDataParallel sharded(model, mesh, o);
+    bool in_unit = false;
+    for (const auto& u : sharded.units()) {
+      for (const auto& f : u.fqns) in_unit = in_unit || f == "pos_emb.weight";
+    }
+    out["ignored_in_a_unit"] = in_unit;
+    out["ignored_kept_own_value"] = model->pos_emb->weight.detach().eq(static_cast<double>(rank)).all().item<bool>();
+    {
+      auto full = sharded.summon_full_params();
+      out["synced_value"] = model->ln_f->weight.detach().mean().item<double>();
+    }
+    auto [x, y] = batch();
+    models::lm_loss(sharded.forward(x), y).backward();
+    const auto& g = model->pos_emb->weight.grad();
+    out["ignored_grad_whole"] = g.defined() && g.sizes() == model->pos_emb->weight.sizes();
+    out["ignored_listed"] = static_cast<int>(sharded.parameters().size());
+    out["ignored_checkpoint"] = error_of([&] { fsdp::full_state_dict(sharded); });
   }
   out["rank"] = rank;
   return out;

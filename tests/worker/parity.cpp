@@ -1,8 +1,10 @@
 // fsdp-test-worker parity --strategy S [--shard-size F] [--variants all] --out PREFIX
-//   Trains the tiny GPT, the uneven net and the tiny T5 with SGD+momentum and AdamW for 5 steps under fsdp and,
-//   in the same process, a local single-process reference on the whole global batch; writes per
-//   case max |Δparam| and max |Δloss| (and with --variants all: two forwards then one backward,
-//   accumulation with and without communication, clipping).
+//   Trains the tiny GPT, the uneven net, the tiny T5 and the tiny DHEN-like model with SGD+momentum and AdamW for
+//   5 steps under fsdp and, in the same process, a local single-process reference on the whole global batch; writes
+//   per case max |Δparam| and max |Δloss| (and with --variants all: two forwards then one backward,
+//   accumulation with and without communication, clipping). The DHEN's embedding tables are sharded row-wise
+//   across the ranks outside fsdp (Options::ignored_modules) and exchanged with all-to-all: its max |Δparam|
+//   includes this rank's rows against the reference's same rows.
 #include <iostream>
 
 #include "worker.h"
@@ -14,21 +16,27 @@ json run_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
               const std::string& optim, const std::string& variant) {
   const int rank = mesh->rank();
   const int64_t per_rank = kGlobalBatch / mesh->world_size(), begin = rank * per_rank, end = begin + per_rank;
-  auto build = [&]() -> std::shared_ptr<torch::nn::Module> {
+  const auto dhen_cfg = models::DHENConfig::preset("dhen-tiny");
+  // `sharded`: the model fsdp wraps (the DHEN's tables then hold this rank's rows).
+  auto build = [&](bool sharded) -> std::shared_ptr<torch::nn::Module> {
     torch::manual_seed(0);
     std::shared_ptr<torch::nn::Module> m;
     if (model == "gpt") m = models::GPT(models::GPTConfig::preset("tiny")).ptr();
     else if (model == "t5") m = models::T5(models::T5Config::preset("t5-tiny")).ptr();
+    else if (model == "dhen" && sharded && mesh->world_size() > 1) m = models::DHEN(dhen_cfg, mesh->world(), rank, mesh->world_size()).ptr();
+    else if (model == "dhen") m = models::DHEN(dhen_cfg).ptr();
     else m = models::UnevenNet().ptr();
     m->to(g_device);  // initialized on the CPU (same numbers on every device), then moved
     return m;
   };
   if (std::getenv("FSDP_TEST_VERBOSE")) std::cerr << "case " << model << " " << optim << " " << variant << std::endl;
-  auto ref = build();
-  auto mine = build();
-  opts.auto_wrap_policy = model == "gpt"  ? fsdp::module_type_policy<models::BlockImpl>()
-                          : model == "t5" ? fsdp::module_type_policy<models::T5EncoderBlockImpl, models::T5DecoderBlockImpl>()
-                                          : fsdp::module_type_policy<torch::nn::LinearImpl>();
+  auto ref = build(false);
+  auto mine = build(true);
+  opts.auto_wrap_policy = model == "gpt"    ? fsdp::module_type_policy<models::BlockImpl>()
+                          : model == "t5"   ? fsdp::module_type_policy<models::T5EncoderBlockImpl, models::T5DecoderBlockImpl>()
+                          : model == "dhen" ? fsdp::module_type_policy<models::DHENLayerImpl>()
+                                            : fsdp::module_type_policy<torch::nn::LinearImpl>();
+  if (model == "dhen") opts.ignored_modules = {std::dynamic_pointer_cast<models::DHENImpl>(mine)->sparse.ptr()};
   fsdp::FullyShardedDataParallel<torch::nn::Module> sharded(mine, mesh, opts);
   auto ref_opt = make_optim(optim, *ref);
   auto my_opt = make_optim(optim, *mine);
@@ -44,11 +52,22 @@ json run_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
       const torch::Tensor logits = fwd(torch::stack({x, tgt_in}).to(g_device));
       return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}).to(g_device));
     }
+    if (model == "dhen") {
+      // Dense features and ids side by side in one float tensor for `fwd` (ids below 2^24 are exact).
+      static const models::ClickData clicks(models::DHENConfig::preset("dhen-tiny"), 3);
+      auto [dense, ids, labels] = clicks.batch(step, kGlobalBatch, b, e);
+      return models::click_loss(fwd(torch::cat({dense, ids.to(torch::kFloat)}, 1).to(g_device)), labels.to(g_device));
+    }
     auto [x, y] = uneven_batch(step, b, e);
     return torch::mse_loss(fwd(x), y);
   };
   auto forward_of = [&](const std::shared_ptr<torch::nn::Module>& m, const torch::Tensor& x) {
     if (model == "t5") return std::dynamic_pointer_cast<models::T5Impl>(m)->forward(x[0], x[1]);
+    if (model == "dhen") {
+      const int64_t n_dense = dhen_cfg.n_dense;
+      return std::dynamic_pointer_cast<models::DHENImpl>(m)->forward(
+          x.narrow(1, 0, n_dense), x.narrow(1, n_dense, x.size(1) - n_dense).to(torch::kLong));
+    }
     return model == "gpt" ? std::dynamic_pointer_cast<models::GPTImpl>(m)->forward(x)
                           : std::dynamic_pointer_cast<models::UnevenNetImpl>(m)->forward(x);
   };
@@ -104,7 +123,16 @@ json run_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
   }
 
   // This rank's shard of every parameter against the same elements of the reference.
-  const double max_param_diff = max_shard_diff(sharded, *mine, *ref, rank);
+  double max_param_diff = max_shard_diff(sharded, *mine, *ref, rank);
+  if (model == "dhen") {
+    // The embedding rows this rank holds, against the same rows of the whole reference table.
+    const auto& emb = std::dynamic_pointer_cast<models::DHENImpl>(mine)->sparse;
+    const torch::Tensor ref_rows =
+        std::dynamic_pointer_cast<models::DHENImpl>(ref)->sparse->weight.narrow(0, emb->row_begin(), emb->local_rows());
+    if (emb->local_rows() > 0) {
+      max_param_diff = std::max(max_param_diff, (emb->weight.detach().cpu() - ref_rows.detach().cpu()).abs().max().item<double>());
+    }
+  }
   // An unused parameter must keep no gradient, as in local training.
   bool unused_grad_none = true;
   if (model == "uneven") unused_grad_none = !mine->named_parameters()["unused"].grad().defined();
@@ -116,7 +144,7 @@ json run_case(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, const
 
 json run_parity(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   json cases = json::array();
-  for (std::string model : {"gpt", "uneven", "t5"}) {
+  for (std::string model : {"gpt", "uneven", "t5", "dhen"}) {
     for (std::string optim : {"sgd", "adamw"}) cases.push_back(run_case(mesh, options_from(a), model, optim, "plain"));
   }
   if (a.variants == "all") {

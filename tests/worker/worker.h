@@ -22,7 +22,9 @@
 #include <torch/torch.h>
 
 #include "fsdp/fsdp.h"
+#include "models/click_data.h"
 #include "models/data.h"
+#include "models/dhen.h"
 #include "models/gpt.h"
 #include "models/t5.h"
 

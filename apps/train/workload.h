@@ -1,0 +1,83 @@
+// What fsdp-train trains: a model family with its units, its data and its objective. One per
+// family of the paper's evaluation (§5): the GPT (gpt_workload.cpp), T5 (t5_workload.cpp) and the
+// DHEN-like recommendation model (dhen_workload.cpp), so that the training loop, the memory plan
+// and the checkpoints have one body whatever is trained.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "config.h"
+#include "fsdp/mesh.h"
+#include "fsdp/options.h"
+
+namespace train {
+
+// One rank's slice of a step's global batch.
+struct Batch {
+  std::vector<torch::Tensor> inputs;  // what the model's forward takes, in order
+  torch::Tensor targets;
+  int64_t samples() const { return targets.size(0); }
+};
+
+class Workload {
+ public:
+  virtual ~Workload() = default;
+  // "GPT 'default'", for the log.
+  virtual std::string name() const = 0;
+  virtual int64_t num_parameters() const = 0;
+  // Tokens (or examples) one sequence of a batch counts for the throughput column.
+  virtual int64_t tokens_per_sample() const = 0;
+  // What the data is, for the log ("corpus /usr/share/common-licenses (262 K tokens)").
+  virtual std::string data_origin() const = 0;
+
+  // The model, initialized from the global RNG (the caller seeds it). Called plain, inside
+  // fsdp::deferred_init or inside fsdp::meta_init. `mesh`: the job's ranks, for a model with
+  // model-parallel parts (null: one process holding everything, local training and plans).
+  // `layers` > 0: only that many of the model's blocks (--simulate-layers' sample; throws where
+  // the workload cannot sample).
+  virtual std::shared_ptr<torch::nn::Module> build(const std::shared_ptr<fsdp::Mesh>& mesh, int64_t layers = 0) const = 0;
+  // The units (auto-wrap policy), what fsdp must leave alone (ignored modules) and the memory
+  // budget's activation estimate for `micro_batch` samples in a compute dtype of `element_size`
+  // bytes. `model` is the one build() returned.
+  virtual void configure(fsdp::Options& options, torch::nn::Module& model, int64_t micro_batch, int64_t element_size,
+                         bool checkpointed) const = 0;
+  // Activation checkpointing of the model's repeated blocks (--activation-checkpointing).
+  virtual void apply_checkpointing(torch::nn::Module& model) const = 0;
+
+  // Samples [begin, end) of step `step`'s global batch: the same global batch on every rank, each
+  // keeping its slice. Negative steps are held-out batches (evaluation).
+  virtual Batch batch(int64_t step, int64_t global_batch, uint64_t seed, int64_t begin, int64_t end) const = 0;
+  // The model's output on `b` (inputs already on the model's device). `input_dtype`: mixed
+  // precision's compute dtype, which floating-point inputs are cast to.
+  virtual torch::Tensor forward(torch::nn::Module& model, const Batch& b,
+                                std::optional<c10::ScalarType> input_dtype) const = 0;
+  // The mean loss of `out` over the batch.
+  virtual torch::Tensor loss(const torch::Tensor& out, const Batch& b) const = 0;
+  // How many held-out samples an evaluation (--eval-every) reads: a multiple of `global_batch`.
+  virtual int64_t eval_samples(int64_t global_batch) const { return global_batch; }
+  // Besides the loss, what an evaluation reports (the DHEN's AUC): from every rank's outputs and
+  // targets of the held-out batch, concatenated. "" when nothing more.
+  virtual std::string evaluate(const torch::Tensor& outputs, const torch::Tensor& targets) const {
+    (void)outputs;
+    (void)targets;
+    return "";
+  }
+  // The whole model's training FLOPs over those of a sample of `layers` blocks: how
+  // --simulate-layers scales the sample's step time to the whole model's.
+  virtual double flops_scale(int64_t layers) const = 0;
+};
+
+// The workload --model names: a GPT preset, t5-* or dhen-*. Reads the data it needs (the corpus
+// for the GPT and T5). Throws std::invalid_argument for an unknown name.
+std::unique_ptr<Workload> make_workload(const Config& c);
+std::unique_ptr<Workload> gpt_workload(const Config& c);
+std::unique_ptr<Workload> t5_workload(const Config& c);
+std::unique_ptr<Workload> dhen_workload(const Config& c);
+
+}  // namespace train
