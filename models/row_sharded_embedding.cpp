@@ -2,6 +2,10 @@
 
 #include "fsdp/deferred_init.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -9,6 +13,16 @@
 namespace models {
 
 namespace {
+
+// Rows are initialized in blocks of this many, each from its own generator (see the header).
+constexpr int64_t kInitBlockRows = 256;
+
+uint64_t block_seed(uint64_t seed, int64_t block) {
+  uint64_t x = seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;  // splitmix64's finalizer: neighbouring blocks far apart
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -132,17 +146,26 @@ RowShardedEmbeddingImpl::RowShardedEmbeddingImpl(int64_t num_tables_, int64_t ro
   row_begin_ = std::min<int64_t>(N, rank * rows_per_rank_);
   local_rows_ = std::min<int64_t>(N, row_begin_ + rows_per_rank_) - row_begin_;
 
-  // The whole table first, so the RNG advances as in local training (see the header).
-  auto table = torch::empty({N, dim});
-  {
-    torch::NoGradGuard no_grad;
-    table.normal_(0.0, 0.1);
+  // One draw from the global RNG, at every world size (see the header), then this rank's rows.
+  const uint64_t seed = [] {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return gen.get<at::CPUGeneratorImpl>()->random64();
+  }();
+  // This rank's own rows, 1/W of the table: made now even under fsdp::deferred_init (nothing to
+  // defer: fsdp leaves them alone), meta under fsdp::meta_init.
+  fsdp::NotDeferred own_rows;
+  weight = register_parameter("weight", torch::empty({local_rows_, dim}));
+  if (weight.is_meta()) return;
+  torch::NoGradGuard no_grad;
+  for (int64_t b = row_begin_ / kInitBlockRows; b * kInitBlockRows < row_begin_ + local_rows_; ++b) {
+    // Block b, drawn whole from its own generator; the rows of it this rank holds are kept.
+    const int64_t b0 = b * kInitBlockRows;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(block_seed(seed, b));
+    const auto block = torch::empty({kInitBlockRows, dim}).normal_(0.0, 0.1, gen);
+    const int64_t lo = std::max(row_begin_, b0), hi = std::min(row_begin_ + local_rows_, b0 + kInitBlockRows);
+    weight.narrow(0, lo - row_begin_, hi - lo).copy_(block.narrow(0, lo - b0, hi - lo));
   }
-  auto mine = table.narrow(0, row_begin_, local_rows_);
-  // Deferred (fsdp::deferred_init, meta_init): the values cannot be copied yet; the rows stay a
-  // part of the whole table's storage (detach: a plain leaf, not an autograd view of the table)
-  // and are materialized as that part of the whole table's recorded draw.
-  weight = register_parameter("weight", fsdp::is_deferred(table) ? mine.detach() : mine.clone());
 }
 
 torch::Tensor RowShardedEmbeddingImpl::forward(const torch::Tensor& ids) {

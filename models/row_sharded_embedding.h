@@ -18,13 +18,15 @@ namespace models {
 // Rank r of W holds the logical rows [r * ceil(N/W), min(N, (r+1) * ceil(N/W))) as its parameter
 // "weight" [local_rows, dim]; the last ranks may hold none (local_rows 0) when W does not divide N.
 //
-// Initialization: the WHOLE logical table is drawn from the global torch RNG, N(0, 0.1^2)
-// (empty({N, dim}).normal_(0, 0.1)), and each rank keeps a clone of its rows, so a model built
-// after the same torch::manual_seed with one process (group null) holds exactly the
-// concatenation of every rank's rows, and the RNG advances identically at every world size.
-// Every rank transiently holds the whole table while building (1.3 GB for dhen-large). Under
-// fsdp::deferred_init / meta_init nothing is allocated: the parameter is a part of the deferred
-// whole table, which fsdp replays whole (transiently, as above) when it materializes the rows.
+// Initialization: N(0, 0.1^2), drawn without any rank ever holding more than its own rows. One
+// 64-bit seed is drawn from the global torch RNG (so the RNG advances identically at every world
+// size), and the logical table's rows are drawn in blocks of 256, block b whole from its own CPU
+// generator seeded by (seed, b); a rank draws only the blocks its rows touch and keeps its rows.
+// So a model built after the same torch::manual_seed with one process (group null) holds exactly
+// the concatenation of every rank's rows, whatever W is, and a table too big for any one machine
+// (the paper's DHEN: 768 B sparse parameters) can be built. Under fsdp::deferred_init the rows are
+// made at once (fsdp::NotDeferred: they are this rank's own, and fsdp leaves them alone); under
+// fsdp::meta_init they are meta.
 //
 // Forward and backward are collectives when W > 1: every rank of the group must run forward the
 // same number of times, and backward through each output the same number of times, in the same

@@ -221,6 +221,12 @@ DeferredInitGuard::~DeferredInitGuard() {
 
 bool is_deferred(const at::Tensor& t) { return recipe_of(t) != nullptr; }
 
+NotDeferred::NotDeferred() : previous_included_(c10::impl::tls_is_dispatch_key_included(kDeferredKey)) {
+  // Only deferred_init's recording mode lets go; meta_init keeps making meta tensors.
+  if (t_active && t_record) c10::impl::tls_set_dispatch_key_included(kDeferredKey, false);
+}
+NotDeferred::~NotDeferred() { c10::impl::tls_set_dispatch_key_included(kDeferredKey, previous_included_); }
+
 namespace {
 
 // Runs the recipe's recorded ops into `out`, a real contiguous tensor of the recipe's shape.

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include "config.h"
+#include "workload.h"
 
 namespace train {
 
@@ -15,7 +16,8 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"}));
   app.add_option("--shard-size", c.shard_size, "sharding factor F for hybrid strategies (default: ranks per node)");
   app.add_option("--steps", c.steps, "training steps")->check(CLI::NonNegativeNumber);
-  app.add_option("--global-batch-size", c.global_batch, "sequences per step, over all ranks")->check(CLI::PositiveNumber);
+  app.add_option("--global-batch-size", c.global_batch,
+                 "sequences (DHEN: examples) per step, over all ranks; default 16 (DHEN: 256)")->check(CLI::PositiveNumber);
   app.add_option("--seed", c.seed, "seed for the initial weights and the batches");
   app.add_option("--metrics-jsonl", c.metrics_jsonl, "append one JSON object per step per rank to this file");
   app.add_option("--data", c.data, "text file, folder of text files, or .u16/.bin file of uint16 token ids");
@@ -102,6 +104,7 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  if (c.global_batch == 0) c.global_batch = default_global_batch(c.model);
   return std::nullopt;
 }
 

@@ -16,7 +16,7 @@ struct Config {
   std::string strategy = "full_shard";
   int shard_size = 0;
   int steps = 300;
-  int64_t global_batch = 16;
+  int64_t global_batch = 0;  // 0 until parsed: then the flag, or the workload's default (workload.h)
   uint64_t seed = 1234;
   std::string metrics_jsonl;
   std::string data = models::kDefaultCorpus;

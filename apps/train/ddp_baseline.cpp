@@ -2,7 +2,7 @@
 // data parallelism on the same model (the paper finds them within 0.7-1.1 %). Every rank holds the
 // whole model; gradients are averaged the way PyTorch's DDP does it: parameters in reverse
 // registration order (roughly the order backward produces their gradients) grouped into buckets of
-// about 25 MiB, each bucket all-reduced asynchronously as soon as backward has produced all of its
+// about 25 MiB (the first 1 MiB), each bucket all-reduced asynchronously as soon as backward has produced all of its
 // gradients, and waited for when backward ends. Nothing of fsdp is involved but the mesh's world
 // group, so the comparison is fsdp's machinery against none.
 #include <stdexcept>
@@ -14,7 +14,8 @@
 namespace train {
 namespace {
 
-constexpr int64_t kBucketBytes = 25 * 1024 * 1024;  // DDP's bucket_cap_mb default
+constexpr int64_t kBucketBytes = 25 * 1024 * 1024;     // DDP's bucket_cap_mb default
+constexpr int64_t kFirstBucketBytes = 1024 * 1024;     // DDP's first bucket: small, so a reduction starts early
 
 class DDPTrainee final : public Trainee {
  public:
@@ -27,7 +28,8 @@ class DDPTrainee final : public Trainee {
     int64_t bytes = 0;
     for (const auto& p : order) {
       const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
-      if (buckets_.empty() || (bytes + size > kBucketBytes && !buckets_.back().params.empty())) {
+      const int64_t cap = buckets_.size() <= 1 ? kFirstBucketBytes : kBucketBytes;
+      if (buckets_.empty() || (bytes + size > cap && !buckets_.back().params.empty())) {
         buckets_.emplace_back();
         bytes = 0;
       }
@@ -45,7 +47,7 @@ class DDPTrainee final : public Trainee {
     for (auto& [p, handle] : hooks_) p.remove_hook(handle);
   }
 
-  void begin_step() override {}
+  void begin_step() override { all_reduced_bytes_ = 0; }
   torch::Tensor forward(const std::function<torch::Tensor()>& forward) override { return forward(); }
   std::optional<c10::ScalarType> input_dtype() const override { return std::nullopt; }
   std::shared_ptr<void> no_sync() override {
@@ -81,11 +83,12 @@ class DDPTrainee final : public Trainee {
     fsdp::Metrics m;
     for (const auto& p : unique_) m.memory.sharded_params += p.numel() * static_cast<int64_t>(p.element_size());
     m.memory.sharded_grads = m.memory.sharded_params;
+    m.comm.all_reduce = all_reduced_bytes_;  // the tensors' bytes, as fsdp counts its own all-reduces
     return m;
   }
   std::string describe() const override {
     return "DDP-style baseline (no fsdp): the whole model on every rank, gradients all-reduced in " +
-           std::to_string(buckets_.size()) + " bucket(s) of up to 25 MiB during backward";
+           std::to_string(buckets_.size()) + " bucket(s) (the first up to 1 MiB, then 25 MiB) during backward";
   }
   bool write_trace(const std::string&) const override { return false; }
   bool is_sharded() const override { return false; }
@@ -118,6 +121,7 @@ class DDPTrainee final : public Trainee {
     bk.flat = torch::cat(pieces);
     std::vector<torch::Tensor> one{bk.flat};
     bk.work = mesh_->world()->allreduce(one);
+    all_reduced_bytes_ += bk.flat.numel() * static_cast<int64_t>(bk.flat.element_size());
   }
 
   std::shared_ptr<torch::nn::Module> model_;
@@ -126,6 +130,7 @@ class DDPTrainee final : public Trainee {
   std::vector<Bucket> buckets_;
   std::vector<std::pair<torch::Tensor, unsigned>> hooks_;
   bool quiet_ = false;
+  int64_t all_reduced_bytes_ = 0;  // this step's
 };
 
 }  // namespace

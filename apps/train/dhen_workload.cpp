@@ -29,7 +29,8 @@ class DHENWorkload final : public Workload {
 
   std::string name() const override { return "DHEN-like '" + name_ + "'"; }
   int64_t num_parameters() const override { return cfg_.num_parameters(); }
-  int64_t tokens_per_sample() const override { return 1; }  // examples: the tokens/s column counts samples
+  int64_t tokens_per_sample() const override { return 1; }  // examples: the throughput column counts samples
+  const char* throughput_unit() const override { return "samples"; }
   std::string data_origin() const override {
     const models::ClickDataStats s = data_.stats(kStatsSamples);
     char text[512];
@@ -74,10 +75,8 @@ class DHENWorkload final : public Workload {
   torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override { return models::click_loss(out, b.targets); }
   // An AUC needs more samples than a training batch to be worth printing.
   int64_t eval_samples(int64_t global_batch) const override { return 32 * global_batch; }
-  std::string evaluate(const torch::Tensor& outputs, const torch::Tensor& targets) const override {
-    char text[64];
-    std::snprintf(text, sizeof(text), "eval AUC %.4f", models::auc(outputs, targets));
-    return text;
+  std::map<std::string, double> evaluate(const torch::Tensor& outputs, const torch::Tensor& targets) const override {
+    return {{"auc", models::auc(outputs, targets)}};
   }
   double flops_scale(int64_t) const override { return 0; }
 

@@ -65,6 +65,8 @@ class GPTWorkload final : public Workload {
 
 std::unique_ptr<Workload> gpt_workload(const Config& c) { return std::make_unique<GPTWorkload>(c); }
 
+int64_t default_global_batch(const std::string& model) { return model.rfind("dhen-", 0) == 0 ? 256 : 16; }
+
 std::unique_ptr<Workload> make_workload(const Config& c) {
   if (c.model.rfind("t5-", 0) == 0) return t5_workload(c);
   if (c.model.rfind("dhen-", 0) == 0) return dhen_workload(c);

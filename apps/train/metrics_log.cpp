@@ -63,11 +63,11 @@ nlohmann::json to_json(const StepRecord& r) {
   return j;
 }
 
-std::string progress_line(const StepRecord& r, bool sharded, bool cuda) {
+std::string progress_line(const StepRecord& r, bool sharded, bool cuda, const char* unit) {
   const fsdp::Metrics& m = r.metrics;
   char head[256];
-  std::snprintf(head, sizeof(head), "step %4d | loss %.4f | %8.0f tok/s | %7.1f ms", r.step, r.loss, r.tokens_per_s,
-                r.step_ms);
+  std::snprintf(head, sizeof(head), "step %4d | loss %.4f | %8.0f %s/s | %7.1f ms", r.step, r.loss, r.tokens_per_s,
+                unit, r.step_ms);
   std::string line = std::string(head) + " | params " + mb(m.memory.sharded_params) + " resident, peak unsharded " +
                      mb(m.memory.unsharded_peak) + " | comm AG " + mb(m.comm.all_gather) + " RS " +
                      mb(m.comm.reduce_scatter) + " AR " + mb(m.comm.all_reduce);

@@ -33,7 +33,8 @@ struct StepRecord {
 };
 
 nlohmann::json to_json(const StepRecord& r);
-// "step    3 | loss 5.5362 | ... " (with the device columns when `cuda`, exposed comm when `sharded`).
-std::string progress_line(const StepRecord& r, bool sharded, bool cuda);
+// "step    3 | loss 5.5362 | ... " (with the device columns when `cuda`, exposed comm when `sharded`;
+// the throughput in `unit`s per second: "tok", "samples").
+std::string progress_line(const StepRecord& r, bool sharded, bool cuda, const char* unit = "tok");
 
 }  // namespace train

@@ -36,8 +36,8 @@ int plan(const Config& c) {
   workload->configure(opts, *model, micro_batch, 2, c.activation_checkpointing);
   plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
   std::cout << "fsdp-train --plan: " << workload->name() << " (" << workload->num_parameters() / 1e9
-            << " B parameters), global batch " << c.global_batch << " x " << workload->tokens_per_sample()
-            << " tokens (" << micro_batch << " per rank and micro-batch), built with meta_init in " << build_s
+            << " B parameters), global batch " << workload->batch_text(c.global_batch) << " ("
+            << micro_batch << " per rank and micro-batch), built with meta_init in " << build_s
             << " s, nothing allocated\n\n"
             << fsdp::format_plans(plans) << std::endl;
   return 0;

@@ -272,7 +272,7 @@ int train(const Config& c) {
   if (prints) {
     std::cout << "fsdp-train: " << workload->name() << " " << workload->num_parameters() << " parameters, "
               << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch "
-              << c.global_batch << " x " << workload->tokens_per_sample() << " tokens, " << workload->data_origin()
+              << workload->batch_text(c.global_batch) << ", " << workload->data_origin()
               << std::endl;
     if (W > 1 && !simulated) std::cout << "fsdp-train: Gloo communicates over " << mesh->network() << std::endl;
   }
@@ -364,6 +364,7 @@ int train(const Config& c) {
                   << "/trace-rank*.json (open in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
       }
     }
+    nlohmann::json eval;  // the held-out figures, on the steps that evaluate
     if (c.eval_every > 0 && (step + 1) % c.eval_every == 0) {
       // Forward only: no graph, nothing gathered stays behind.
       torch::NoGradGuard no_grad;
@@ -371,11 +372,18 @@ int train(const Config& c) {
       const Batch held_out = on_device(
           workload->batch(-1 - step, eval_n, c.seed, rank * eval_per_rank, (rank + 1) * eval_per_rank), device);
       const torch::Tensor out = trainee->forward([&] { return workload->forward(*model, held_out, trainee->input_dtype()); });
-      const double eval_loss = global_mean(*mesh, workload->loss(out, held_out));
-      const std::string more = workload->evaluate(all_gather_rows(*mesh, out), all_gather_rows(*mesh, held_out.targets));
-      if (prints) std::cout << "step " << step << " | eval loss " << eval_loss << (more.empty() ? "" : " | " + more) << std::endl;
+      eval = {{"loss", global_mean(*mesh, workload->loss(out, held_out))}};
+      for (const auto& [name, value] : workload->evaluate(all_gather_rows(*mesh, out), all_gather_rows(*mesh, held_out.targets))) {
+        eval[name] = value;
+      }
+      if (prints) {
+        std::cout << "step " << step;
+        for (const auto& [name, value] : eval.items()) std::cout << " | eval " << name << " " << value.get<double>();
+        std::cout << std::endl;
+      }
     }
     nlohmann::json record = to_json(r);
+    if (!eval.is_null()) record["eval"] = eval;
     if (simulated) record["simulated"] = true;  // not a trained result
     if (c.simulate_layers > 0) {
       record["simulated_layers"] = {{"built", c.simulate_layers}, {"flops_scale", workload->flops_scale(c.simulate_layers)}};
@@ -401,7 +409,7 @@ int train(const Config& c) {
     }
     metrics_out.write(record);
     if (prints && (step % c.log_every == 0 || step == c.steps - 1)) {
-      std::cout << (simulated ? "[SIMULATED] " : "") << progress_line(r, trainee->is_sharded(), device.is_cuda())
+      std::cout << (simulated ? "[SIMULATED] " : "") << progress_line(r, trainee->is_sharded(), device.is_cuda(), workload->throughput_unit())
                 << std::endl;
     }
   }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,8 +32,15 @@ class Workload {
   // "GPT 'default'", for the log.
   virtual std::string name() const = 0;
   virtual int64_t num_parameters() const = 0;
-  // Tokens (or examples) one sequence of a batch counts for the throughput column.
+  // Tokens (or examples) one sequence of a batch counts for the throughput column, and what they
+  // are called there ("tok", "samples").
   virtual int64_t tokens_per_sample() const = 0;
+  virtual const char* throughput_unit() const { return "tok"; }
+  // "16 x 256 tok", "256 samples": a global batch, for the log.
+  std::string batch_text(int64_t global_batch) const {
+    const std::string n = std::to_string(global_batch), unit = throughput_unit();
+    return tokens_per_sample() == 1 ? n + " " + unit : n + " x " + std::to_string(tokens_per_sample()) + " " + unit;
+  }
   // What the data is, for the log ("corpus /usr/share/common-licenses (262 K tokens)").
   virtual std::string data_origin() const = 0;
 
@@ -61,12 +69,12 @@ class Workload {
   virtual torch::Tensor loss(const torch::Tensor& out, const Batch& b) const = 0;
   // How many held-out samples an evaluation (--eval-every) reads: a multiple of `global_batch`.
   virtual int64_t eval_samples(int64_t global_batch) const { return global_batch; }
-  // Besides the loss, what an evaluation reports (the DHEN's AUC): from every rank's outputs and
-  // targets of the held-out batch, concatenated. "" when nothing more.
-  virtual std::string evaluate(const torch::Tensor& outputs, const torch::Tensor& targets) const {
+  // Besides the loss, what an evaluation reports (the DHEN's AUC), by name: from every rank's
+  // outputs and targets of the held-out batch, concatenated. Empty when nothing more.
+  virtual std::map<std::string, double> evaluate(const torch::Tensor& outputs, const torch::Tensor& targets) const {
     (void)outputs;
     (void)targets;
-    return "";
+    return {};
   }
   // The whole model's training FLOPs over those of a sample of `layers` blocks: how
   // --simulate-layers scales the sample's step time to the whole model's.
@@ -76,6 +84,9 @@ class Workload {
 // The workload --model names: a GPT preset, t5-* or dhen-*. Reads the data it needs (the corpus
 // for the GPT and T5). Throws std::invalid_argument for an unknown name.
 std::unique_ptr<Workload> make_workload(const Config& c);
+// The global batch --model trains on when --global-batch-size is not given: 16 sequences for the
+// GPT and T5, 256 examples for the DHEN-like model (clicks are small; its stated target is for 256).
+int64_t default_global_batch(const std::string& model);
 std::unique_ptr<Workload> gpt_workload(const Config& c);
 std::unique_ptr<Workload> t5_workload(const Config& c);
 std::unique_ptr<Workload> dhen_workload(const Config& c);

@@ -56,4 +56,21 @@ auto meta_init(Build&& build) -> decltype(build()) {
 // Whether `t` was made by deferred_init or meta_init and not materialized yet.
 bool is_deferred(const at::Tensor& t);
 
+// For state that is already this rank's own and no bigger than what it keeps, like a
+// model-parallel module's own rows of a table (models/row_sharded_embedding.h): inside
+// deferred_init, tensors this thread makes while the scope is alive are real (allocated and
+// initialized now, drawing from the generators as a normal construction does), so nothing has to
+// replay them later; inside meta_init they stay meta (nothing is allocated while planning).
+// Elsewhere it does nothing. Nests.
+class NotDeferred {
+ public:
+  NotDeferred();
+  ~NotDeferred();
+  NotDeferred(const NotDeferred&) = delete;
+  NotDeferred& operator=(const NotDeferred&) = delete;
+
+ private:
+  bool previous_included_;
+};
+
 }  // namespace fsdp

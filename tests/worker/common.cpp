@@ -143,6 +143,11 @@ InitZooImpl::InitZooImpl() {
   emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 16).padding_idx(0)));
   noise = register_parameter("noise", torch::randn({7, 3}));
   norm = register_module("norm", torch::nn::BatchNorm1d(16));
+  // Two parameters that are parts of one tensor initialized whole (a fused projection split).
+  auto halves = torch::empty({2, 20, 6});
+  torch::nn::init::uniform_(halves, -0.5, 0.5);
+  first_half = register_parameter("first_half", halves[0]);
+  second_half = register_parameter("second_half", halves[1]);
 }
 
 json timeline_json(const fsdp::FullyShardedDataParallelBase& sharded) {

@@ -109,7 +109,7 @@ struct InitZooImpl : torch::nn::Module {
   InitZooImpl();
   torch::nn::Conv2d conv{nullptr};
   torch::nn::Linear lin{nullptr};
-  torch::Tensor xavier_w, kaiming_w, noise;
+  torch::Tensor xavier_w, kaiming_w, noise, first_half, second_half;
   torch::nn::Embedding emb{nullptr};
   torch::nn::BatchNorm1d norm{nullptr};
 };
