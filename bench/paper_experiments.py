@@ -9,12 +9,14 @@ model). One table per experiment on stdout (markdown), one plot each under --out
                 (fsdp-train --ddp-baseline: bucketed all-reduces overlapping backward), on T5
   prefetch      Fig. 6b: backward prefetch on (BACKWARD_PRE) and off, full_shard, GPT
   dhen          Figs. 7a / 8a: the DHEN-like model with full against hybrid sharding, each resharding after
-                forward (RAF) or not (NRAF): peak memory and throughput
+                forward (RAF) or not (NRAF): peak memory and throughput; on one host, or with
+                --dhen-cluster RATE on 2 emulated hosts (scripts/cluster, root) joined by links of RATE
   checkpoint    activation checkpointing: peak memory against step time, with and without, default GPT
                 at a sequence length where activations dominate
   attention     the fused scaled_dot_product_attention against the written-out form
 
     bench/paper_experiments --experiments ddp,prefetch,dhen,checkpoint,attention --out-dir docs/img/paper
+    bench/paper_experiments --experiments dhen --dhen-cluster 200mbit   # the paper's setting: hybrid within a host
 """
 import argparse
 import json
@@ -32,10 +34,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_once(args, flags, workdir, tag):
+    """flags: fsdp-train's, or a launcher's command line ending in "--" followed by fsdp-train's."""
     metrics = os.path.join(workdir, f"{tag}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = [os.path.join(args.bin, "fsdp-train"), "--log-every", "1000", "--metrics-jsonl", metrics] + flags
+    launcher = flags[:flags.index("--") + 1] if "--" in flags else []
+    flags = flags[len(launcher):]
+    cmd = launcher + [os.path.join(args.bin, "fsdp-train"), "--log-every", "1000", "--metrics-jsonl", metrics] + flags
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(metrics)]
     steps = sorted((r for r in rows if r["rank"] == 0 and r["step"] >= args.warmup), key=lambda r: r["step"])
@@ -85,6 +90,9 @@ def main():
     p.add_argument("--experiments", default="ddp,prefetch,dhen,checkpoint,attention")
     p.add_argument("--dhen-nproc", type=int, default=4, help="ranks of the DHEN runs (hybrid needs F < W)")
     p.add_argument("--dhen-model", default="dhen-medium")
+    p.add_argument("--dhen-cluster", default="", metavar="RATE",
+                   help="run the DHEN configurations on the emulated cluster (scripts/cluster, root): 2 hosts of "
+                        "--dhen-nproc / 2 ranks joined by links of RATE (tc syntax: 200mbit); hybrid shards within a host")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
@@ -114,32 +122,39 @@ def main():
             # A global batch of 64: the dense layers' state, which the configurations shard differently,
             # is then a visible part of each rank's peak next to the activations.
             dhen_batch = 64
-            dhen = ["--nproc-per-node", str(args.dhen_nproc), "--steps", str(args.steps), "--model", args.dhen_model,
-                    "--global-batch-size", str(dhen_batch)]
             F = str(args.dhen_nproc // 2)
+            if args.dhen_cluster:
+                where = ["--hosts", "2", "--ranks-per-host", F, "--bandwidth", args.dhen_cluster]
+                launch_dhen = [os.path.join(ROOT, "scripts", "cluster")] + where + ["--"]
+                place = f"2 emulated hosts of {F} ranks, {args.dhen_cluster} links"
+            else:
+                launch_dhen, place = ["--nproc-per-node", str(args.dhen_nproc)], "one host (loopback)"
+            # lr 5e-4: at fsdp-train's 2e-3 the 8-layer model's loss spikes in the first steps.
+            dhen = launch_dhen + ["--steps", str(args.steps), "--model", args.dhen_model,
+                                  "--global-batch-size", str(dhen_batch), "--lr", "5e-4"]
             configs = [("full + RAF", dhen + ["--strategy", "full_shard"]),
                        ("full + NRAF", dhen + ["--strategy", "shard_grad_op"]),
                        ("hybrid + RAF", dhen + ["--strategy", "hybrid_shard", "--shard-size", F]),
                        ("hybrid + NRAF", dhen + ["--strategy", "hybrid_shard_zero2", "--shard-size", F])]
             r = compare(args, configs, work)
             table(f"Figs. 7a / 8a: DHEN-like '{args.dhen_model}', full (F = {args.dhen_nproc}) against hybrid "
-                  f"(F = {F}) sharding, W = {args.dhen_nproc}, global batch {dhen_batch}", r, "full + RAF")
+                  f"(F = {F}) sharding, W = {args.dhen_nproc} on {place}, global batch {dhen_batch}", r, "full + RAF")
             fig, (mem, thr) = plt.subplots(1, 2, figsize=(9, 3.2))
             labels = list(r)
             mem.bar(labels, [r[k][3] / 1e6 for k in labels], color="#55a868")
             mem.set_ylabel("peak live tensors per rank (MB)")
-            mem.set_title("memory (Fig. 7a)")
+            mem.set_title("memory (Fig. 8a)")
             qps = {k: dhen_batch / (r[k][0] / 1000) for k in labels}
             thr.bar(labels, [qps[k] for k in labels],
                     yerr=[[qps[k] - dhen_batch / (r[k][2] / 1000) for k in labels],
                           [dhen_batch / (r[k][1] / 1000) - qps[k] for k in labels]], capsize=4,
                     color="#4c72b0")
             thr.set_ylabel("samples / s")
-            thr.set_title("throughput (Fig. 8a)")
+            thr.set_title("throughput (Fig. 7a)")
             for ax in (mem, thr):
                 ax.tick_params(axis="x", labelrotation=20)
             fig.tight_layout()
-            fig.savefig(os.path.join(args.out_dir, "dhen.png"), dpi=120)
+            fig.savefig(os.path.join(args.out_dir, "dhen-cluster.png" if args.dhen_cluster else "dhen.png"), dpi=120)
             plt.close(fig)
         if "prefetch" in chosen:
             side_by_side([("backward_pre", default_gpt + ["--backward-prefetch", "backward_pre"]),
