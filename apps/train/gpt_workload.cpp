@@ -46,6 +46,7 @@ class GPTWorkload final : public Workload {
 
   // Training FLOPs per token (forward and backward: 3 x the forward's 2 per weight, and
   // attention's two T x d products per layer).
+  int64_t blocks() const override { return cfg_.n_layer; }
   double flops_scale(int64_t layers) const override {
     auto per_token = [&](double L) {
       const double d = static_cast<double>(cfg_.d_model);

@@ -159,12 +159,12 @@ int train(const Config& c) {
   if (c.simulate_layers > 0) {
     // What this process builds: the whole model, or a simulated rank's sample of its blocks.
     if (!simulated) throw std::invalid_argument("--simulate-layers samples the blocks of a --simulate-rank run");
-    if (workload->flops_scale(c.simulate_layers) == 0) {
+    if (workload->blocks() == 0) {
       throw std::invalid_argument("--simulate-layers: " + workload->name() + " cannot be sampled by blocks; drop it");
     }
-    if (workload->flops_scale(c.simulate_layers) <= 1.0) {
-      throw std::invalid_argument("--simulate-layers " + std::to_string(c.simulate_layers) +
-                                  " is not below the model's blocks; drop it to run them all");
+    if (c.simulate_layers >= workload->blocks()) {
+      throw std::invalid_argument("--simulate-layers " + std::to_string(c.simulate_layers) + " is not below the model's " +
+                                  std::to_string(workload->blocks()) + " blocks; drop it to run them all");
     }
   }
   if (plain && c.init == "deferred") throw std::invalid_argument(std::string("--init deferred needs fsdp; drop ") + plain_flag);
@@ -386,7 +386,8 @@ int train(const Config& c) {
     if (!eval.is_null()) record["eval"] = eval;
     if (simulated) record["simulated"] = true;  // not a trained result
     if (c.simulate_layers > 0) {
-      record["simulated_layers"] = {{"built", c.simulate_layers}, {"flops_scale", workload->flops_scale(c.simulate_layers)}};
+      record["simulated_layers"] = {{"built", c.simulate_layers}, {"of", workload->blocks()},
+                                    {"flops_scale", workload->flops_scale(c.simulate_layers)}};
       if (step > start_step) sampled_step_ms.push_back(r.step_ms);
     }
     if (checkpointer && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
@@ -420,8 +421,8 @@ int train(const Config& c) {
       std::sort(sampled_step_ms.begin(), sampled_step_ms.end());
       const double median = sampled_step_ms[sampled_step_ms.size() / 2];
       const double scale = workload->flops_scale(c.simulate_layers);
-      std::cout << "fsdp-train: SIMULATED: timed " << c.simulate_layers
-                << " of the model's blocks: median step " << static_cast<int64_t>(median) << " ms; the whole model's step "
+      std::cout << "fsdp-train: SIMULATED: timed " << c.simulate_layers << " of " << workload->blocks()
+                << " blocks: median step " << static_cast<int64_t>(median) << " ms; the whole model's step "
                 << "would compute for about " << static_cast<int64_t>(median * scale) << " ms on this device (x"
                 << scale << " by FLOPs; no communication). The memory plan (plan_bytes) is the whole model's; the "
                 << "measured peaks are the sample's." << std::endl;

@@ -79,6 +79,8 @@ class Workload {
   // The whole model's training FLOPs over those of a sample of `layers` blocks: how
   // --simulate-layers scales the sample's step time to the whole model's.
   virtual double flops_scale(int64_t layers) const = 0;
+  // The blocks --simulate-layers samples from (0: the workload cannot be sampled).
+  virtual int64_t blocks() const { return 0; }
 };
 
 // The workload --model names: a GPT preset, t5-* or dhen-*. Reads the data it needs (the corpus
