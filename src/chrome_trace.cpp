@@ -64,6 +64,7 @@ void write_chrome_trace(const std::string& path, const std::vector<Span>& spans,
       events.push_back({{"ph", "i"}, {"s", "t"}, {"pid", rank}, {"tid", 1}, {"ts", us(s.begin_ns)},
                         {"name", "issue " + to_string(s.kind) + " " + unit_name(s.unit)}});
     } else {
+      if (s.kind == SpanKind::FORWARD || s.kind == SpanKind::BACKWARD) args["operator_calls_into_fsdp"] = s.operator_calls;
       e["ts"] = us(s.begin_ns);
       e["dur"] = us(s.end_ns) - us(s.begin_ns);
     }

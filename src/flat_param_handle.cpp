@@ -66,13 +66,15 @@ FlatParamHandle::FlatParamHandle(int index, std::vector<std::string> fqns, std::
   if (F == 1) {
     // Replication: the shard is the whole flat parameter and parameters keep their shapes.
     shard_ = staged ? full_.to(target) : full_;
-    for (const auto& e : layout_.entries()) sharded_views_.push_back(shard_.narrow(0, e.offset, e.numel).view(e.shape));
+    for (const auto& e : layout_.entries()) {
+      sharded_views_.push_back(param_key::keyed(shard_.narrow(0, e.offset, e.numel).view(e.shape)));
+    }
   } else {
     shard_ = full_.narrow(0, comm_.mesh().shard_rank * layout_.shard_numel(), layout_.shard_numel())
                  .to(target, /*non_blocking=*/false, /*copy=*/true);
-    // 1-D slices: guarded, so that a module computing with them outside the root's passes is told
-    // what happened (param_guard.h).
-    for (const auto& s : slices_) sharded_views_.push_back(guard::guarded(shard_.narrow(0, s.shard_offset, s.length)));
+    // 1-D slices. Like every view a parameter is pointed at, keyed (param_key.h): operators on them
+    // enter fsdp (to gather the unit in a root's pass, to be guarded outside it).
+    for (const auto& s : slices_) sharded_views_.push_back(param_key::keyed(shard_.narrow(0, s.shard_offset, s.length)));
   }
   separate_buffer_ = F > 1 || dtypes_.casts();
   // Parameters point at their shards first, so that the flattening buffer (which adopted deferred
@@ -91,7 +93,7 @@ FlatParamHandle::FlatParamHandle(int index, std::vector<std::string> fqns, std::
     for (const auto& e : layout_.entries()) full_views_.push_back(full_.narrow(0, e.offset, e.numel).view(e.shape));
   }
   if (separate_buffer_) {
-    for (const auto& v : full_views_) guarded_full_views_.push_back(guard::guarded(v));
+    for (auto& v : full_views_) v = param_key::keyed(v);
     resize_unsharded(false);
   }
 }
@@ -108,15 +110,13 @@ size_t FlatParamHandle::param_at(const at::Tensor& view) const {
 }
 
 void FlatParamHandle::guard_gathered() {
-  if (state_ != HandleState::UNSHARDED || !separate_buffer_ || gathered_guarded_) return;
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(guarded_full_views_[i]);
-  gathered_guarded_ = true;
+  if (state_ == HandleState::UNSHARDED && separate_buffer_) gathered_guarded_ = true;
 }
 
-void FlatParamHandle::unguard_gathered() {
-  if (!gathered_guarded_) return;
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
-  gathered_guarded_ = false;
+void FlatParamHandle::unguard_gathered() { gathered_guarded_ = false; }
+
+bool FlatParamHandle::guarded() const {
+  return gathered_guarded_ || (state_ == HandleState::SHARDED && comm_.mesh().shard_size > 1);
 }
 
 void FlatParamHandle::resize_unsharded(bool allocate) {

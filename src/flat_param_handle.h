@@ -3,6 +3,8 @@
 // The unit's original parameters keep their identity (same TensorImpl, same name, so modules'
 // typed members and optimizers keep working); what changes is the data they point at:
 //
+// Every view a parameter is pointed at carries fsdp's dispatch key (param_key.h).
+//
 //   SHARDED   each parameter is a view into this rank's shard (1-D slice of what this rank owns;
 //             with F = 1 the whole parameter in its own shape). The unsharded buffer has a
 //             0-byte storage.
@@ -30,7 +32,7 @@
 #include "comm_context.h"
 #include "flat_param.h"
 #include "fsdp/options.h"
-#include "param_guard.h"
+#include "param_key.h"
 #include "precision.h"
 
 namespace fsdp {
@@ -80,6 +82,10 @@ class FlatParamHandle {
   void guard_gathered();
   void unguard_gathered();
   bool gathered_guarded() const { return gathered_guarded_; }
+  // Whether an operator outside the root's passes must ask the runtime (param_guard.h): a 1-D
+  // shard (F > 1) at rest, or a gathered copy left for backward. With F = 1 at rest the
+  // parameters are whole and operators pass.
+  bool guarded() const;
   // Which parameter a view of the shard or of the unsharded buffer belongs to (by its offset).
   size_t param_at(const at::Tensor& view) const;
   // After a collective failed: -> UNSHARDED without communicating, the buffer filled with NaN
@@ -106,7 +112,6 @@ class FlatParamHandle {
   at::Tensor full_;                       // [padded_numel] in the compute dtype, 0 bytes while SHARDED
   std::vector<at::Tensor> sharded_views_; // per parameter, into shard_
   std::vector<at::Tensor> full_views_;    // per parameter, into full_, original shapes
-  std::vector<at::Tensor> guarded_full_views_;  // the same, carrying the guard key
   bool gathered_guarded_ = false;
   std::vector<ShardSlice> slices_;        // this rank's slice of each parameter
   InFlight gather_;                       // the all-gather in flight while GATHERING

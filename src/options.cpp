@@ -41,6 +41,16 @@ std::string to_string(BackwardPrefetch mode) {
   return "?";
 }
 
+UnitDetection parse_unit_detection(const std::string& name) {
+  if (name == "dispatch_key") return UnitDetection::DISPATCH_KEY;
+  if (name == "record_function") return UnitDetection::RECORD_FUNCTION;
+  throw std::invalid_argument("unknown unit detection '" + name + "'; use dispatch_key or record_function");
+}
+
+std::string to_string(UnitDetection mode) {
+  return mode == UnitDetection::DISPATCH_KEY ? "dispatch_key" : "record_function";
+}
+
 c10::ScalarType parse_dtype(const std::string& name) {
   if (name == "fp32" || name == "float32") return c10::kFloat;
   if (name == "bf16" || name == "bfloat16") return c10::kBFloat16;

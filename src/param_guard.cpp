@@ -6,14 +6,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include <torch/library.h>
-
-#include "touch_detection.h"
+#include "param_key.h"
 
 namespace fsdp::guard {
 namespace {
-
-constexpr c10::DispatchKey kGuardKey = c10::DispatchKey::TESTING_ONLY_GenericWrapper;
 
 struct Entry {
   Sink* sink;
@@ -22,44 +18,29 @@ struct Entry {
 std::shared_mutex g_mutex;
 std::unordered_map<const c10::StorageImpl*, Entry> g_storages;
 
-void guard_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (!touch::in_root_pass()) {
-    // Find the first guarded parameter among the arguments, and whether the operator writes it.
-    const auto& schema = op.schema();
-    const size_t n = schema.arguments().size();
-    std::optional<Entry> hit;
-    at::Tensor tensor;
-    bool writes = false;
-    {
-      std::shared_lock<std::shared_mutex> lock(g_mutex);
-      for (size_t i = 0; i < n && !hit; ++i) {
-        const c10::IValue& v = (*stack)[stack->size() - n + i];
-        if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) continue;
-        if (!v.toTensor().key_set().has(kGuardKey)) continue;
-        auto it = g_storages.find(v.toTensor().storage().unsafeGetStorageImpl());
-        if (it == g_storages.end()) continue;
-        hit = it->second;
-        tensor = v.toTensor();
-        const auto* alias = schema.arguments()[i].alias_info();
-        writes = alias != nullptr && alias->isWrite();
-      }
-    }
-    if (hit) hit->sink->on_guarded_op(op, hit->unit, tensor, writes);
-  }
-  op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
-}
-
-TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericWrapper, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&guard_fallback>());
-}
-
 }  // namespace
 
-at::Tensor guarded(const at::Tensor& view) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(view.storage()),
-                                                   view.key_set() | c10::DispatchKeySet(kGuardKey), view.dtype());
-  impl->set_sizes_and_strides(view.sizes(), view.strides(), view.storage_offset());
-  return at::Tensor(std::move(impl));
+void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  // Find the first parameter among the arguments, and whether the operator writes it.
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  std::optional<Entry> hit;
+  at::Tensor tensor;
+  bool writes = false;
+  {
+    std::shared_lock<std::shared_mutex> lock(g_mutex);
+    for (size_t i = 0; i < n && !hit; ++i) {
+      const c10::IValue& v = stack[stack.size() - n + i];
+      if (!v.isTensor() || !param_key::has_key(v.toTensor()) || !v.toTensor().has_storage()) continue;
+      auto it = g_storages.find(v.toTensor().storage().unsafeGetStorageImpl());
+      if (it == g_storages.end()) continue;
+      hit = it->second;
+      tensor = v.toTensor();
+      const auto* alias = schema.arguments()[i].alias_info();
+      writes = alias != nullptr && alias->isWrite();
+    }
+  }
+  if (hit) hit->sink->on_guarded_op(op, hit->unit, tensor, writes);
 }
 
 void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage) {

@@ -1,8 +1,8 @@
 // Guarding parameters outside the root's forward and backward. A parameter that holds something
 // other than its whole self — this rank's 1-D shard at rest, or a gathered copy left from a forward
-// whose backward has not come — carries a dispatch key of this library's, so that any operator on
-// it run outside the root's forward and backward reaches the runtime first (operators that touch
-// no such parameter never pay for it). The runtime then
+// whose backward has not come — is guarded: an operator on it run outside the root's forward and
+// backward reaches the runtime first (operators that touch no parameter never pay for it). The
+// runtime then
 //   - ends an iteration whose forwards will never be backwarded (their graphs are gone), so that an
 //     optimizer step after a forward without backward steps the shards, not gathered copies;
 //   - refuses to let anything write a gathered copy that a pending backward still needs;
@@ -11,9 +11,9 @@
 // Reading a parameter at rest (printing it, saving it, the optimizer's updates) passes through and
 // sees this rank's shard.
 //
-// The key is TESTING_ONLY_GenericWrapper: libtorch's functionality key reserved for out-of-tree
-// wrapper tensors, which nothing else in a C++ process registers (deferred_init.cpp owns its mode
-// sibling). Views of a guarded tensor inherit the key; set_data() to an unguarded tensor drops it.
+// Operators reach the guard through the parameter key's fallback (param_key.h) when they run
+// outside a root's forward and backward; every unit's views carry the key, and the runtime says
+// which of them are guarded now (a shard with F > 1, a gathered copy left for backward).
 #pragma once
 
 #include <cstddef>
@@ -27,12 +27,14 @@ struct Sink {
   virtual ~Sink() = default;
   // An operator outside the root's forward and backward reads (or, `writes`, writes) `tensor`, a
   // parameter of unit `unit` (or a shallow copy of one: libtorch optimizers update p.data()). May
-  // throw, which the operator's caller receives.
+  // throw, which the operator's caller receives. Called for every unit's parameters; the sink
+  // returns at once for a unit that is not guarded now (F = 1 at rest: its parameters are whole).
   virtual void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) = 0;
 };
 
-// A tensor of `view`'s storage, sizes, strides and dtype that carries the guard key.
-at::Tensor guarded(const at::Tensor& view);
+// An operator with a keyed argument (param_key.h), outside the root's passes: tells the sink of
+// the first registered parameter among its arguments.
+void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 
 // Guarded tensors are recognised by their storage: a unit's shard or its unsharded buffer.
 void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage);

@@ -84,10 +84,7 @@ void Runtime::gather(size_t u) {
 void Runtime::use(size_t u) {
   FlatParamHandle& handle = units_[u]->handle();
   if (handle.state() == HandleState::UNSHARDED) {  // the common case: one check per operator
-    if (handle.gathered_guarded()) {
-      touch::Suppress own_work;
-      handle.unguard_gathered();
-    }
+    handle.unguard_gathered();
     return;
   }
   gather(u);
@@ -122,7 +119,7 @@ void Runtime::begin_forward() {
   if (phase_ == Phase::IDLE) {
     check_parameters_intact();
     order_.start_iteration();
-    touch::arm(this);
+    touch::arm(this, options_.unit_detection == UnitDetection::RECORD_FUNCTION);
   }
   phase_ = Phase::FORWARD;
   pending_before_forward_ = backward_pending_;
@@ -189,6 +186,11 @@ void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_grap
   }
 }
 
+void Runtime::on_operator_entered(std::optional<size_t> unit) {
+  ++detection_.operator_calls_in_passes;
+  if (unit) units_[*unit]->count_operator();
+}
+
 void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph) {
   switch (phase_) {
     case Phase::FORWARD: {
@@ -209,7 +211,7 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
       // (grad mode on and an input requiring grad) may save this unit's tensors for backward.
       if (builds_graph) backward_pending_ = true;
       if (c10::GradMode::is_enabled()) {
-        units_[u]->expect_grad(tensor);
+        touch::pin_for_operator(units_[u]->expect_grad(tensor));
       } else if (touch::checkpointed_forward()) {
         // Checkpointed (activation_checkpoint.h): no graph now, but the recomputation will build
         // one through this parameter. Expect its gradient as a graph would, and keep the node
@@ -222,7 +224,7 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
     case Phase::BACKWARD:
       backward_needs(u);
       // A checkpointed forward recomputed: the graph it builds accumulates into this parameter.
-      if (touch::recomputing() && c10::GradMode::is_enabled()) units_[u]->expect_grad(tensor);
+      if (touch::recomputing() && c10::GradMode::is_enabled()) touch::pin_for_operator(units_[u]->expect_grad(tensor));
       break;
     case Phase::IDLE:
       // A retained graph backwarded again (the callback stays armed for it): a backward of its own.
@@ -332,6 +334,7 @@ void Runtime::reset_step() {
   memory_.unsharded_grads_peak = memory_.unsharded_grads_current;
   memory_.reducing_grads_peak = memory_.reducing_grads_current;
   overlap_ = OverlapStats{};
+  detection_ = DetectionStats{};
 }
 
 }  // namespace fsdp

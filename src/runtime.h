@@ -30,8 +30,8 @@
 // backward the ranks compare a hash of that sequence (one 16-byte all-reduce), so control flow that
 // differs across ranks is an error before the optimizer can apply a wrong update.
 //
-// Failures: operator-touch detection runs inside a RecordFunction callback, whose exceptions
-// libtorch swallows. So a failure there (a collective that timed out, a peer that died) is
+// Failures: operator-touch detection runs inside an operator (the parameter key's fallback, or a
+// RecordFunction callback, whose exceptions libtorch swallows). So a failure there (a collective that timed out, a peer that died) is
 // recorded, the unit is completed harmlessly without communicating (NaN), and the error is thrown
 // where it reaches the caller: at the end of the forward, from the next gradient hook or the
 // end-of-backward callback (which backward() rethrows), and from every later call.
@@ -64,6 +64,7 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void begin_forward();
   void end_forward(bool ok);
   void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph) override;
+  void on_operator_entered(std::optional<size_t> unit) override;
   void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) override;
   void set_no_sync(bool on) { no_sync_ = on; }
   void set_summoned(bool on) { summoned_ = on; }
@@ -76,6 +77,7 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
 
   const MemoryBytes& memory() const { return memory_; }
   const OverlapStats& overlap() const { return overlap_; }
+  const DetectionStats& detection() const { return detection_; }
   void reset_step();  // peaks and overlap counters start again
 
  private:
@@ -124,6 +126,7 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
 
   MemoryBytes memory_;
   OverlapStats overlap_;
+  DetectionStats detection_;
   std::string failure_;  // the first failure; everything throws it from then on
 };
 

@@ -10,6 +10,8 @@
 namespace fsdp {
 
 void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::Tensor& tensor, bool writes) {
+  ++detection_.operator_calls_at_rest;
+  if (!units_[u]->handle().guarded()) return;  // F = 1 at rest: whole parameters, nothing to check
   touch::Suppress own_work;  // our own set_data and copies below must not come back here
   check_not_failed();
   const FlatParamHandle& h = units_[u]->handle();

@@ -131,6 +131,7 @@ Metrics ShardedRoot::metrics() const {
   m.comm = comm_->bytes();
   m.memory = runtime_->memory();
   m.overlap = runtime_->overlap();
+  m.detection = runtime_->detection();
   m.device = device_memory_stats(device_);
   m.device.num_alloc_retries -= alloc_retries_at_reset_;
   m.memory.sharded_grads = 0;

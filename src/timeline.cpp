@@ -45,11 +45,12 @@ size_t Timeline::begin(SpanKind kind, int unit, bool backward_pass) {
   return state_->spans.size() - 1;
 }
 
-void Timeline::end(size_t span) {
+void Timeline::end(size_t span, int64_t operator_calls) {
   const int64_t t = now_ns();
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (span >= state_->spans.size()) return;
   state_->spans[span].end_ns = t;
+  state_->spans[span].operator_calls = operator_calls;
   state_->spans[span].end_seq = ++state_->seq;
 }
 

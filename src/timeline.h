@@ -22,7 +22,8 @@ class Timeline {
   static int64_t now_ns();
 
   size_t begin(SpanKind kind, int unit, bool backward_pass);
-  void end(size_t span);
+  // `operator_calls`: compute spans, how many operator calls entered fsdp for the unit meanwhile.
+  void end(size_t span, int64_t operator_calls = 0);
   // A span already over (e.g. a wait measured by its caller).
   void add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns, int64_t end_ns,
            SpanKind waited_for = SpanKind::WAIT);

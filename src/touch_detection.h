@@ -1,17 +1,25 @@
-// Knowing when a unit runs (docs/design.md: "Knowing when a unit runs"). libtorch modules have no forward
-// hooks and parents call children through typed members, so we watch operators instead: while a
-// root is inside forward or backward, a RecordFunction callback looks at each operator's input
-// tensors, and the first one whose storage is a unit's shard or unsharded buffer tells the
-// runtime that the unit is needed now (it unshards it before the operator reads anything).
+// Knowing when a unit runs (docs/design.md: "Knowing when a unit runs"). libtorch modules have no
+// forward hooks and parents call children through typed members, so we watch operators instead:
+// while a root is inside forward or backward, the first operator given a tensor whose storage is a
+// unit's shard or unsharded buffer tells the runtime that the unit is needed now (it unshards it
+// before the operator reads anything), and whether the operator builds a graph through it.
 //
-// The callback is registered once per process and enabled only while some runtime is armed, so
-// code outside forward/backward pays nothing and never triggers a collective.
+// Two ways to see those operators (Options::unit_detection):
+//   DISPATCH_KEY (default): the units' views carry fsdp's dispatch key (param_key.h), so only
+//     operators that touch a parameter, or a view of one, enter fsdp; the others cost nothing.
+//   RECORD_FUNCTION: a RecordFunction callback with inputs, enabled while a root is armed, looks
+//     at every operator's inputs: about 1 us an operator, whatever it touches. It also sees a
+//     parameter's storage reached through a tensor not made from the parameter by a view (a
+//     TensorImpl built on its Storage, set_() onto it), which carries no key.
+// Code outside forward/backward never triggers a collective through either.
 #pragma once
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 
@@ -23,16 +31,25 @@ namespace fsdp {
 struct TouchSink {
   virtual ~TouchSink() = default;
   virtual void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph) = 0;
+  // One operator call entered fsdp's detection for this sink (once per call, however many of its
+  // tensors are the sink's), after its touches: what the detection costs, counted
+  // (Metrics::detection). `unit`: the first of the sink's units it touched, if any.
+  virtual void on_operator_entered(std::optional<size_t> unit) = 0;
 };
 
 namespace touch {
 
 void register_storage(TouchSink* sink, size_t unit, const c10::StorageImpl* storage);
 void unregister_sink(TouchSink* sink);
-// Arming enables the callback for the calling sink; operators run by this thread (forward) or by
-// any thread executing an autograd graph task (backward) are then inspected.
-void arm(TouchSink* sink);
+// Arming delivers touches to the sink: of operators run by a thread marked as the forward thread,
+// or by any thread executing an autograd graph task (backward). `record_function`: through the
+// RecordFunction callback (enabled while such a sink is armed), else through the key.
+void arm(TouchSink* sink, bool record_function);
 void disarm(TouchSink* sink);
+
+// An operator with a keyed argument (param_key.h) inside a root's pass: its units' tensors are
+// delivered to armed DISPATCH_KEY sinks.
+void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 
 // Marks the calling thread as running a root's forward (until set back to false).
 void set_forward_thread(bool on);
@@ -64,8 +81,24 @@ bool recomputing();
 // In a checkpointed forward: keeps `node` alive with the checkpoint.
 void keep_alive_with_checkpoint(std::shared_ptr<void> node);
 
+// While alive (around one operator call the key's fallback delivers), keeps what pin_for_operator
+// is given alive. An AccumulateGrad node made for an operator before autograd records it (the
+// expected gradient, unit.h) exists only weakly until the operator's node holds it; without the pin
+// it would die at once and autograd would make another, which the unit does not know.
+class OperatorPins {
+ public:
+  OperatorPins();
+  ~OperatorPins();
+  OperatorPins(const OperatorPins&) = delete;
+  OperatorPins& operator=(const OperatorPins&) = delete;
+ private:
+  std::vector<std::shared_ptr<void>> pins_;
+  std::vector<std::shared_ptr<void>>* previous_;
+};
+void pin_for_operator(std::shared_ptr<void> node);
+
 // While alive, operators run by this thread are not inspected: the runtime's own work (collectives,
-// copies into its buffers) must not be mistaken for the model touching a unit.
+// copies into its buffers) must not be mistaken for the model touching a unit. suppressed(): one is.
 class Suppress {
  public:
   Suppress();
@@ -75,6 +108,7 @@ class Suppress {
  private:
   bool previous_;
 };
+bool suppressed();
 
 }  // namespace touch
 }  // namespace fsdp

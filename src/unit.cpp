@@ -40,29 +40,31 @@ void Unit::transition(State from, State to, const char* what) {
 void Unit::pre_forward() {
   transition(State::IDLE, State::FORWARD, "pre_forward");
   span_ = comm_.timeline().begin(SpanKind::FORWARD, index_, false);
+  span_operators_ = 0;
 }
 
 void Unit::post_forward() {
   transition(State::FORWARD, State::IDLE, "post_forward");
-  if (span_) comm_.timeline().end(*span_);
+  if (span_) comm_.timeline().end(*span_, span_operators_);
   span_.reset();
 }
 
 void Unit::pre_backward() {
   transition(State::IDLE, State::PRE_BACKWARD, "pre_backward");
   span_ = comm_.timeline().begin(SpanKind::BACKWARD, index_, true);
+  span_operators_ = 0;
   // Here, not at forward: whatever the user did to the gradients since (zero_grad) counts.
   reduction_.stash();
 }
 
 void Unit::post_backward() {
   transition(State::PRE_BACKWARD, State::POST_BACKWARD, "post_backward");
-  if (span_) comm_.timeline().end(*span_);
+  if (span_) comm_.timeline().end(*span_, span_operators_);
   span_.reset();
 }
 
 void Unit::end_iteration(bool keep_expected) {
-  if (span_) comm_.timeline().end(*span_);
+  if (span_) comm_.timeline().end(*span_, span_operators_);
   span_.reset();
   state_ = State::IDLE;
   ready_count_ = 0;

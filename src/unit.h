@@ -70,6 +70,8 @@ class Unit {
   // A gradient was accumulated into parameter `param`. True when it was the last one expected:
   // the unit's backward is complete.
   bool grad_accumulated(size_t param);
+  // An operator call touching this unit entered fsdp (counted into the open compute span).
+  void count_operator() { ++span_operators_; }
 
  private:
   void transition(State from, State to, const char* what);
@@ -84,6 +86,7 @@ class Unit {
   GradientReduction reduction_;
   State state_ = State::IDLE;
   std::optional<size_t> span_;  // the open forward or backward compute span
+  int64_t span_operators_ = 0;  // operator calls that entered fsdp for this unit since it opened
   std::unordered_map<const c10::TensorImpl*, size_t> param_index_;
   std::vector<bool> expected_;  // per parameter: forward used it with grad mode on
   int expected_count_ = 0, ready_count_ = 0;

@@ -37,6 +37,10 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--device", c.device, "cpu (Gloo) or cuda (NCCL; rank i uses GPU i mod the visible count)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--unit-detection", c.unit_detection,
+                 "how fsdp knows a unit runs: dispatch_key (operators on parameters only) or record_function "
+                 "(every operator; for code that aliases parameter storage behind the dispatcher)")
+      ->check(CLI::IsMember({"dispatch_key", "record_function"}));
   app.add_option("--backward-prefetch", c.backward_prefetch, "none|backward_pre|backward_post")
       ->check(CLI::IsMember({"none", "backward_pre", "backward_post"}));
   app.add_flag("--forward-prefetch", c.forward_prefetch, "prefetch in forward from the previous iteration's order (static graphs)");
@@ -121,6 +125,7 @@ fsdp::Options fsdp_options(const Config& c) {
   opts.strategy = fsdp::parse_strategy(c.strategy);
   opts.shard_size = c.shard_size;
   opts.backward_prefetch = fsdp::parse_backward_prefetch(c.backward_prefetch);
+  opts.unit_detection = fsdp::parse_unit_detection(c.unit_detection);
   opts.forward_prefetch = c.forward_prefetch;
   opts.prefetch_count = c.prefetch_count;
   opts.limit_all_gathers = c.limit_all_gathers;

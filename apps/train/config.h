@@ -34,6 +34,7 @@ struct Config {
   std::string export_init;   // write initial weights, batches and settings here, then exit
   std::string device = "cpu";
   std::string backward_prefetch = "backward_pre";
+  std::string unit_detection = "dispatch_key";
   bool forward_prefetch = false;
   int prefetch_count = 1;
   int limit_all_gathers = 2;

@@ -49,6 +49,8 @@ nlohmann::json to_json(const StepRecord& r) {
           {"exposed_reduce_ms", ms_of(m.overlap.exposed_reduce_ns)},
           {"rate_limiter_wait_ms", ms_of(m.overlap.rate_limiter_wait_ns)},
           {"max_all_gathers_in_flight", m.overlap.max_all_gathers_in_flight},
+          {"operator_calls_into_fsdp", {{"in_passes", m.detection.operator_calls_in_passes},
+                                        {"at_rest", m.detection.operator_calls_at_rest}}},
           {"sequence_check_ms", ms_of(m.overlap.sequence_check_ns)},
           {"device_memory", {{"allocated_peak", m.device.allocated_peak}, {"active_peak", m.device.active_peak},
                              {"reserved_peak", m.device.reserved_peak},

@@ -62,11 +62,20 @@ struct DeviceMemoryStats {
   int64_t num_alloc_retries = 0;  // cudaMalloc retries after flushing the cache: a bad sign
 };
 
+// What knowing when units run cost this step (Options::unit_detection): operator calls that entered
+// fsdp. With DISPATCH_KEY only operators that touch a parameter (or a view of one) enter; with
+// RECORD_FUNCTION every operator of the root's forward and backward does.
+struct DetectionStats {
+  int64_t operator_calls_in_passes = 0;  // in the root's forward and backward
+  int64_t operator_calls_at_rest = 0;    // outside them (the optimizer's updates, reads of parameters)
+};
+
 struct Metrics {
   int64_t step = 0;  // number of reset_step() calls so far
   CommBytes comm;    // since the last reset_step()
   MemoryBytes memory;
   OverlapStats overlap;
+  DetectionStats detection;
   DeviceMemoryStats device;
 };
 

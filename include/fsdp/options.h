@@ -39,6 +39,22 @@ enum class BackwardPrefetch {
 BackwardPrefetch parse_backward_prefetch(const std::string& name);
 std::string to_string(BackwardPrefetch mode);
 
+// How fsdp knows that a unit is about to compute (C++ modules have no forward hooks; docs/design.md).
+enum class UnitDetection {
+  // The units' parameters (and every view of them) carry a dispatch key of fsdp's: only operators
+  // that touch a parameter enter fsdp, the rest run at libtorch's own speed. The default.
+  DISPATCH_KEY,
+  // A RecordFunction callback inspects every operator's inputs while a root is in forward or
+  // backward (about 1 us an operator). For code that reaches a parameter's storage through a
+  // tensor not made from the parameter by a view op (a TensorImpl built on its Storage, set_()
+  // onto it), which carries no key.
+  RECORD_FUNCTION,
+};
+
+// "dispatch_key", "record_function".
+UnitDetection parse_unit_detection(const std::string& name);
+std::string to_string(UnitDetection mode);
+
 // Native mixed precision (paper §4.4). The sharded parameters stay in their own (fp32) dtype and
 // are what the optimizer steps; each unit is cast once to param_dtype before its all-gather, so
 // the all-gather and the computation run in param_dtype; gradients are reduced in reduce_dtype and
@@ -119,6 +135,8 @@ struct Options {
   // has them (save them yourself). A deferred_init model materializes them whole, on every rank.
   std::vector<std::shared_ptr<torch::nn::Module>> ignored_modules;
   std::vector<at::Tensor> ignored_parameters;
+
+  UnitDetection unit_detection = UnitDetection::DISPATCH_KEY;
 
   // --- overlap of communication with computation (paper §3.3, §3.4) ---
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;

@@ -33,6 +33,7 @@ struct Span {
   int track = 0;               // collectives: which backend worker ran it (for the trace layout)
   SpanKind waited_for = SpanKind::WAIT;  // WAIT spans: the kind of collective waited for
   std::string dtype;           // collectives: the dtype of the buffers handed to the backend
+  int64_t operator_calls = 0;  // FORWARD/BACKWARD: operator calls that entered fsdp for the unit (Metrics::detection)
   bool is_collective() const {
     return kind == SpanKind::ALL_GATHER || kind == SpanKind::REDUCE_SCATTER || kind == SpanKind::ALL_REDUCE ||
            kind == SpanKind::SEQUENCE_CHECK;
