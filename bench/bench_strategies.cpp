@@ -2,7 +2,9 @@
 // setting (--suite overlap: prefetch modes, rate limiter) against local training, measured side
 // by side in one run on the same machine, model, data and global batch; or (--suite builds
 // --baseline OTHER/fsdp-train) this build against another one, full sharding at W = 2, to catch
-// a regression. Each configuration is a run of
+// a regression; or (--suite detection [--baseline OTHER/fsdp-train]) the two ways fsdp knows
+// when a unit runs (--unit-detection dispatch_key | record_function) at W = 1 and 2 against local
+// training, with the operator calls that entered fsdp per step. Each configuration is a run of
 // build/bin/fsdp-train (the local baseline with --local); the step times after warm-up come from
 // its --metrics-jsonl output, and the table reports medians and their ratio to local training,
 // with the communication time the compute thread was exposed to (waiting on a collective).
@@ -53,8 +55,9 @@ int main(int argc, char** argv) {
   app.add_option("--suite", suite,
                  "strategies: every sharding strategy; overlap: prefetch modes and the rate limiter; "
                  "builds: this build against --baseline")
-      ->check(CLI::IsMember({"strategies", "overlap", "builds"}));
-  app.add_option("--baseline", baseline, "--suite builds: the other build's fsdp-train");
+      ->check(CLI::IsMember({"strategies", "overlap", "builds", "detection"}));
+  app.add_option("--baseline", baseline, "--suite builds: the other build's fsdp-train; --suite detection: an "
+                                         "earlier build to add as a row at W = 1 and 2");
   app.add_option("--model", model, "GPT preset");
   app.add_option("--steps", steps, "steps per run (including warm-up)");
   app.add_option("--warmup", warmup, "steps dropped from each run");
@@ -71,6 +74,12 @@ int main(int argc, char** argv) {
     }
     // The ratio column is then this build against the baseline (row 0).
     configs = {{"baseline build", "full_shard", 2, 0, false, "", baseline}, {"this build", "full_shard", 2, 0, false, ""}};
+  } else if (suite == "detection") {
+    for (int w : {1, 2}) {
+      if (!baseline.empty()) configs.push_back({"earlier build (--baseline)", "full_shard", w, 0, false, "", baseline});
+      configs.push_back({"record_function", "full_shard", w, 0, false, "--unit-detection record_function"});
+      configs.push_back({"dispatch_key (default)", "full_shard", w, 0, false, "--unit-detection dispatch_key"});
+    }
   } else if (suite == "strategies") {
     for (int w : {1, 2, 4}) {
       for (std::string s : {"full_shard", "shard_grad_op", "no_shard"}) configs.push_back({s, s, w, 0, false, ""});
@@ -95,6 +104,7 @@ int main(int argc, char** argv) {
   std::map<size_t, std::vector<double>> round_ms;  // config -> the median of each round
   std::map<size_t, double> comm_mb;
   std::map<size_t, std::vector<double>> exposed_ms;
+  std::map<size_t, std::pair<double, double>> ops;  // config -> operator calls into fsdp per step (in passes, at rest)
   for (int round = 0; round < repeats; ++round) {
     for (size_t i = 0; i < configs.size(); ++i) {
       const Config& c = configs[i];
@@ -119,6 +129,9 @@ int main(int argc, char** argv) {
         step_ms[i].push_back(j["step_ms"].get<double>());
         this_round.push_back(j["step_ms"].get<double>());
         if (j.contains("exposed_comm_ms")) exposed_ms[i].push_back(j["exposed_comm_ms"].get<double>());
+        if (j.contains("operator_calls_into_fsdp")) {
+          ops[i] = {j["operator_calls_into_fsdp"]["in_passes"].get<double>(), j["operator_calls_into_fsdp"]["at_rest"].get<double>()};
+        }
         const auto& cb = j["comm_bytes"];
         comm_mb[i] = (cb["all_gather"].get<double>() + cb["reduce_scatter"].get<double>() +
                       cb["all_reduce"].get<double>()) / 1e6;
@@ -132,6 +145,26 @@ int main(int argc, char** argv) {
 
   const double local = median(step_ms[0]);
   std::ostringstream table;
+  if (suite == "detection") {
+    // Each round's median against the local run of the same round: the spread is over rounds.
+    table << "| configuration | W | median step (ms) | ratio to local | per-round ratio (min-max) | operator calls "
+             "into fsdp per step (in passes / at rest) |\n|---|---|---|---|---|---|\n";
+    for (size_t i = 0; i < configs.size(); ++i) {
+      std::vector<double> ratios;
+      for (int r = 0; r < repeats; ++r) ratios.push_back(round_ms[i][static_cast<size_t>(r)] / round_ms[0][static_cast<size_t>(r)]);
+      std::sort(ratios.begin(), ratios.end());
+      char count[64] = "—";
+      if (ops.count(i)) std::snprintf(count, sizeof(count), "%.0f / %.0f", ops[i].first, ops[i].second);
+      char row[256];
+      std::snprintf(row, sizeof(row), "| %s | %d | %.2f | %.3f | %.3f-%.3f | %s |\n", configs[i].label.c_str(),
+                    configs[i].world, median(step_ms[i]), median(step_ms[i]) / local, ratios.front(), ratios.back(), count);
+      table << row;
+    }
+    std::cout << "suite detection, model " << model << ", global batch " << batch << ", " << repeats << " rounds x "
+              << (steps - warmup) << " timed steps each (medians)\n" << table.str();
+    if (!out_md.empty()) std::ofstream(out_md) << table.str();
+    return 0;
+  }
   table << "| configuration | W | F | median step (ms) | ratio to " << configs[0].label
         << " | exposed comm (ms) | comm per rank per step (MB) |\n";
   table << "|---|---|---|---|---|---|---|\n";

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 
 #include "dist_test_util.h"
 
@@ -106,5 +107,60 @@ INSTANTIATE_TEST_SUITE_P(Strategies, Accounting,
                            return i.param.strategy + "_W" + std::to_string(i.param.world) +
                                   (i.param.backward_prefetch == "none" ? "_no_prefetch" : "");
                          });
+
+}  // namespace
+
+namespace {
+
+// What knowing when units run costs, counted (Metrics::detection, `operator_calls_into_fsdp` in the
+// JSONL, `operator_calls_into_fsdp` on each unit's forward and backward span of the trace), run as a
+// user runs fsdp-train: with the dispatch key only operators on parameters enter fsdp, a fraction
+// of what the RecordFunction callback sees (every operator of the passes), and the math is the same.
+TEST(Detection, OnlyOperatorsOnParametersEnterFsdp) {
+  for (const std::string launch : {"--nproc-per-node 1", "--nproc-per-node 2 --strategy full_shard",
+                                   "--nproc-per-node 2 --strategy shard_grad_op --mixed-precision bf16"}) {
+    struct Run {
+      std::vector<double> losses;
+      double in_passes = 0, at_rest = 0, in_spans = 0;
+    };
+    auto run = [&](const std::string& mode) {
+      const std::string prefix = fsdp_test::temp_prefix("detection-" + mode);
+      const std::string metrics = prefix + ".jsonl", trace = prefix + "-trace";
+      std::remove(metrics.c_str());
+      const auto r = fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train --model tiny --steps 4 --global-batch-size 8 " +
+                                   "--log-every 100 --unit-detection " + mode + " --trace " + trace +
+                                   " --trace-step 2 --metrics-jsonl " + metrics + " " + launch);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      Run out;
+      for (const auto& j : fsdp_test::read_jsonl(metrics)) {
+        if (j["rank"] != 0) continue;
+        out.losses.push_back(j["loss"].get<double>());
+        if (j["step"] == 2) {
+          out.in_passes = j["operator_calls_into_fsdp"]["in_passes"].get<double>();
+          out.at_rest = j["operator_calls_into_fsdp"]["at_rest"].get<double>();
+        }
+      }
+      const nlohmann::json doc = fsdp_test::read_json(trace + "/trace-rank0.json");
+      for (const auto& e : doc["traceEvents"]) {
+        if (e.contains("args") && e["args"].contains("operator_calls_into_fsdp")) {
+          out.in_spans += e["args"]["operator_calls_into_fsdp"].get<double>();
+        }
+      }
+      std::remove(metrics.c_str());
+      std::filesystem::remove_all(trace);
+      return out;
+    };
+    const Run key = run("dispatch_key"), callback = run("record_function");
+    EXPECT_EQ(key.losses, callback.losses) << launch;
+    EXPECT_GT(key.in_passes, 0) << launch;
+    EXPECT_LT(key.in_passes * 5, callback.in_passes) << launch << ": " << key.in_passes << " vs " << callback.in_passes;
+    // The optimizer's updates of this rank's parameters (the same in both modes).
+    EXPECT_GT(key.at_rest, 0) << launch;
+    // The trace attributes the step's calls to the units' spans (the root's: every operator on its
+    // parameters, e.g. the embedding, the head and ln_f).
+    EXPECT_GT(key.in_spans, 0) << launch;
+    EXPECT_LE(key.in_spans, key.in_passes) << launch;
+  }
+}
 
 }  // namespace

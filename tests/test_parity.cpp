@@ -16,11 +16,13 @@ struct ParityCase {
   int world;
   int shard_size;
   bool all_variants;
+  std::string unit_detection = "dispatch_key";  // Options::unit_detection
 };
 
 std::string name_of(const testing::TestParamInfo<ParityCase>& info) {
   return info.param.strategy + "_W" + std::to_string(info.param.world) +
-         (info.param.shard_size ? "_F" + std::to_string(info.param.shard_size) : "");
+         (info.param.shard_size ? "_F" + std::to_string(info.param.shard_size) : "") +
+         (info.param.unit_detection == "dispatch_key" ? "" : "_" + info.param.unit_detection);
 }
 
 void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.strategy << " W=" << c.world; }
@@ -34,6 +36,7 @@ TEST_P(Parity, MatchesLocalTraining) {
                     " --strategy " + c.strategy + " --out " + out;
   if (c.shard_size) cmd += " --shard-size " + std::to_string(c.shard_size);
   if (c.all_variants) cmd += " --variants all";
+  cmd += " --unit-detection " + c.unit_detection;
   auto run = fsdp_test::sh(cmd);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   for (int r = 0; r < c.world; ++r) {
@@ -60,7 +63,10 @@ INSTANTIATE_TEST_SUITE_P(
                     ParityCase{"no_shard", 1, 0, false}, ParityCase{"no_shard", 2, 0, true},
                     ParityCase{"no_shard", 3, 0, false}, ParityCase{"no_shard", 4, 0, false},
                     ParityCase{"hybrid_shard", 1, 1, false}, ParityCase{"hybrid_shard", 4, 2, true},
-                    ParityCase{"hybrid_shard_zero2", 1, 1, false}, ParityCase{"hybrid_shard_zero2", 4, 2, true}),
+                    ParityCase{"hybrid_shard_zero2", 1, 1, false}, ParityCase{"hybrid_shard_zero2", 4, 2, true},
+                    // The RecordFunction callback, kept for code that reaches parameter storage without the key.
+                    ParityCase{"full_shard", 2, 0, true, "record_function"},
+                    ParityCase{"hybrid_shard", 4, 2, false, "record_function"}),
     name_of);
 
 // Rank 0's per-step losses (and the last step's record) of fsdp-train run as a user runs it.

@@ -19,6 +19,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--variants") a.variants = v;
     else if (k == "--mismatch-rank") a.mismatch_rank = std::stoi(v);
     else if (k == "--backward-prefetch") a.backward_prefetch = v;
+    else if (k == "--unit-detection") a.unit_detection = v;
     else if (k == "--forward-prefetch") a.forward_prefetch = std::stoi(v);
     else if (k == "--prefetch-count") a.prefetch_count = std::stoi(v);
     else if (k == "--limit-all-gathers") a.limit_all_gathers = std::stoi(v);
@@ -48,6 +49,7 @@ fsdp::Options options_from(const Args& a) {
   o.strategy = fsdp::parse_strategy(a.strategy);
   o.shard_size = a.shard_size;
   o.backward_prefetch = fsdp::parse_backward_prefetch(a.backward_prefetch);
+  o.unit_detection = fsdp::parse_unit_detection(a.unit_detection);
   o.forward_prefetch = a.forward_prefetch != 0;
   o.prefetch_count = a.prefetch_count;
   o.limit_all_gathers = a.limit_all_gathers;

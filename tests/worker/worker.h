@@ -39,6 +39,7 @@ struct Args {
   std::string mode, strategy = "full_shard", out = "/tmp/fsdp-worker", variants = "plain";
   int shard_size = 0, mismatch_rank = -1;
   std::string backward_prefetch = "backward_pre";
+  std::string unit_detection = "dispatch_key";
   int forward_prefetch = 0, prefetch_count = 1, limit_all_gathers = 2;
   std::string device = "cpu";
   std::string param_dtype = "bf16", reduce_dtype;
