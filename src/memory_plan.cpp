@@ -81,6 +81,10 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     const size_t prefetched = options.backward_prefetch == BackwardPrefetch::BACKWARD_PRE ? static_cast<size_t>(options.prefetch_count) : 0;
     plan.head_unsharded_params = root_bytes;
     for (size_t i = 0; i < std::min(prefetched, nonroot_bytes.size()); ++i) plan.head_unsharded_params += nonroot_bytes[i];
+    if (device == c10::kCPU && options.backward_prefetch != BackwardPrefetch::NONE) {
+      const size_t ahead = static_cast<size_t>(options.prefetch_count);
+      for (size_t i = 0; i < std::min(ahead, nonroot_bytes.size()); ++i) plan.gather_staging += nonroot_bytes[i];
+    }
   } else {
     plan.peak_unsharded_params = plan.head_unsharded_params = all_unsharded;
   }
@@ -105,6 +109,8 @@ int64_t MemoryPlan::backward_peak() const {
   const int n = std::max(1, backward_units);
   const int64_t spread = activations - head_activations;  // the units' own, freed unit by unit
   // The head's backward: nothing freed yet, the root's gradients arriving.
+  // (The all-gather the root's backward prefetches has long finished when the head's gradients
+  // peak; a unit's starts while the next one is being waited for: gather_staging from there on.)
   int64_t peak = head_unsharded_params + activations + root_grads;
   for (int j = 0; j < n; ++j) {
     const int64_t in_flight = static_cast<int64_t>(std::min(j, reductions_in_flight)) * (reduce_buffer + replica_buffer);
@@ -112,7 +118,7 @@ int64_t MemoryPlan::backward_peak() const {
     const int64_t during = spread * (n - j) / n + root_grads + unit_grads + in_flight;
     // When its backward is over: its activations freed, its gradients flattened into the buffer.
     const int64_t after = spread * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
-    peak = std::max({peak, peak_unsharded_params + during, peak_unsharded_params + after});
+    peak = std::max({peak, peak_unsharded_params + gather_staging + during, peak_unsharded_params + gather_staging + after});
   }
   return peak;
 }
@@ -158,6 +164,9 @@ std::string format_plans(const std::vector<MemoryPlan>& plans) {
     row("ignored parameters (the caller's: values, gradients, Adam state)", &MemoryPlan::ignored_state);
   }
   row("peak gathered parameters", &MemoryPlan::peak_unsharded_params);
+  if (std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.gather_staging > 0; })) {
+    row("all-gather staging copies in flight (Gloo)", &MemoryPlan::gather_staging);
+  }
   row("peak unsharded gradients + reduce buffers", &MemoryPlan::peak_unsharded_grads);
   const bool with_activations = std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.activations > 0; });
   if (with_activations) row("activations (estimate)", &MemoryPlan::activations);

@@ -41,6 +41,10 @@ struct MemoryPlan {
   // Gathered while the head's backward runs, at the start of backward: the root and, with
   // BACKWARD_PRE, the units prefetched from it (the other units were freed after forward).
   int64_t head_unsharded_params = 0;
+  // Gloo (CPU) runs an all-gather into a flat staging copy of its whole output and copies it out
+  // at the end: the units backward prefetches hold that second copy while their all-gather runs
+  // (counted while the units' backwards run: measured there, not at the head's moment).
+  int64_t gather_staging = 0;
   int64_t peak_unsharded_grads = 0;
   int64_t activations = 0;  // the caller's estimate (Options::memory_budget.activation_bytes)
   // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the
