@@ -24,8 +24,8 @@
 #include "fsdp/fsdp.h"
 #include "fsdp/launch.h"
 #include "models/gpt.h"
-#include "src/device.h"
-#include "src/host_memory.h"
+#include "src/memory/device.h"
+#include "src/memory/host_memory.h"
 
 namespace {
 

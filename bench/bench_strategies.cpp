@@ -115,6 +115,8 @@ int main(int argc, char** argv) {
       cmd += c.local ? " --local" : " --nproc-per-node " + std::to_string(c.world) + " --strategy " + c.strategy;
       if (c.shard_size) cmd += " --shard-size " + std::to_string(c.shard_size);
       if (!c.extra.empty()) cmd += " " + c.extra;
+      // This build's fsdp-train keeps nothing at the end (another build's may not know the flags).
+      if (c.binary.empty()) cmd += " --run-dir none --sample-tokens 0";
       cmd += " > " + tmp + ".log 2>&1";
       if (std::system(cmd.c_str()) != 0) {
         std::cerr << "fsdp-bench: run failed: " << cmd << " (see " << tmp << ".log)" << std::endl;

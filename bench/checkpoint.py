@@ -136,7 +136,7 @@ def measure_fsdp(args, model, mdir, commands):
     W = args.nproc
     common = [args.fsdp_train, "--model", model, "--nproc-per-node", str(W), "--strategy", "full_shard",
               "--global-batch-size", str(args.global_batch_size), "--block-size", str(args.block_size),
-              "--seed", str(args.seed), "--log-every", "1000"]
+              "--seed", str(args.seed), "--log-every", "1000", "--run-dir", "none", "--sample-tokens", "0"]
     # fsdp-train saves every --save-every steps and after the last; the metrics must show exactly these.
     expected = sorted({s for s in range(args.steps)
                        if (args.save_every > 0 and (s + 1) % args.save_every == 0) or s + 1 == args.steps})

@@ -30,7 +30,7 @@ def run(strategy, args, workdir):
     cmd = [os.path.join(args.bin, "fsdp-train"), "--model", args.model, "--strategy", strategy,
            "--nproc-per-node", str(args.nproc), "--global-batch-size", str(args.global_batch),
            "--steps", str(args.step + 1), "--trace-step", str(args.step), "--log-every", "100",
-           "--memory-timeline", out, "--metrics-jsonl", metrics] + args.extra
+           "--memory-timeline", out, "--metrics-jsonl", metrics, "--run-dir", "none", "--sample-tokens", "0"] + args.extra
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "memory-rank0.csv")) as f:
         samples = list(csv.DictReader(f))

@@ -40,7 +40,8 @@ def run_once(args, flags, workdir, tag):
         os.remove(metrics)
     launcher = flags[:flags.index("--") + 1] if "--" in flags else []
     flags = flags[len(launcher):]
-    cmd = launcher + [os.path.join(args.bin, "fsdp-train"), "--log-every", "1000", "--metrics-jsonl", metrics] + flags
+    cmd = launcher + [os.path.join(args.bin, "fsdp-train"), "--log-every", "1000", "--metrics-jsonl", metrics,
+                         "--run-dir", "none", "--sample-tokens", "0"] + flags
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(metrics)]
     steps = sorted((r for r in rows if r["rank"] == 0 and r["step"] >= args.warmup), key=lambda r: r["step"])

@@ -293,7 +293,8 @@ def export_init(args, export_dir):
 def run_ours(args, workdir, run_index):
     metrics = os.path.join(workdir, f"ours-{run_index}.jsonl")
     cmd = ([args.fsdp_train, "--nproc-per-node", str(args.world_size), "--strategy", "full_shard",
-            "--metrics-jsonl", metrics, "--log-every", "1000"] + common_train_flags(args))
+            "--metrics-jsonl", metrics, "--log-every", "1000", "--run-dir", "none", "--sample-tokens", "0"] +
+           common_train_flags(args))
     if args.device == "cuda":
         cmd += ["--device", "cuda"]  # UNTESTED here
     if args.mixed_precision != "none":

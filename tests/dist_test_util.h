@@ -23,6 +23,10 @@ inline std::string bin_dir() {
 }
 
 inline std::string worker() { return bin_dir() + "/fsdp-test-worker"; }
+// fsdp-train as the tests run it: without the end of the main job (the run folder with its
+// checkpoint and model, the text sample), so that a test keeps only what it asks for and a big
+// model is not saved after every case. ctest -R MainJobEndsWithSomethingToKeep runs the default.
+inline std::string fsdp_train() { return bin_dir() + "/fsdp-train --run-dir none --sample-tokens 0"; }
 
 inline std::string temp_prefix(const std::string& name) {
   return "/tmp/fsdp-test-" + std::to_string(::getpid()) + "-" + name;

@@ -127,7 +127,7 @@ TEST(Detection, OnlyOperatorsOnParametersEnterFsdp) {
       const std::string prefix = fsdp_test::temp_prefix("detection-" + mode);
       const std::string metrics = prefix + ".jsonl", trace = prefix + "-trace";
       std::remove(metrics.c_str());
-      const auto r = fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train --model tiny --steps 4 --global-batch-size 8 " +
+      const auto r = fsdp_test::sh(fsdp_test::fsdp_train() + " --model tiny --steps 4 --global-batch-size 8 " +
                                    "--log-every 100 --unit-detection " + mode + " --trace " + trace +
                                    " --trace-step 2 --metrics-jsonl " + metrics + " " + launch);
       EXPECT_EQ(r.exit_code, 0) << r.output;

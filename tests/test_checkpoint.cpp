@@ -43,7 +43,7 @@ TrainRun train(const std::string& dir, const std::string& name, const std::strin
   const std::string metrics = dir + "/" + name + ".jsonl";
   TrainRun t;
   const std::string model = args.find("--model ") == std::string::npos ? "--model tiny " : "";
-  t.run = fsdp_test::sh(env + " " + fsdp_test::bin_dir() + "/fsdp-train " + kTrain + model + "--metrics-jsonl " + metrics +
+  t.run = fsdp_test::sh(env + " " + fsdp_test::fsdp_train() + " " + kTrain + model + "--metrics-jsonl " + metrics +
                         " " + args, 300);
   std::ifstream in(metrics);
   std::string line;
@@ -294,7 +294,7 @@ json last_json_line(const std::string& output) {
 // loss on the next batch equals the one fsdp-train logged for that step.
 TEST(CheckpointPython, FullCheckpointLoadsIntoThePythonModel) {
   const std::string dir = fresh_dir("py-full");
-  ASSERT_EQ(fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train " + kTrain + "--model tiny --steps 11 --export-init " + dir + "/init").exit_code, 0);
+  ASSERT_EQ(fsdp_test::sh(fsdp_test::fsdp_train() + " " + kTrain + "--model tiny --steps 11 --export-init " + dir + "/init").exit_code, 0);
   const auto r = train(dir, "run", "--nproc-per-node 2 --steps 11 --save-every 10 --checkpoint-kind full --save-dir " + dir + "/c");
   ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
   const auto py = fsdp_test::sh(interop() + "full-loss --checkpoint " + step_dir(dir + "/c", 10) + " --export-dir " + dir +
@@ -329,7 +329,7 @@ TEST(CheckpointPython, ShardedCheckpointLoadsWithTorchDistributedCheckpoint) {
 // with how to re-save it.
 TEST(CheckpointPython, PythonStateDictsLoadIntoTheShardedModel) {
   const std::string dir = fresh_dir("py-save");
-  ASSERT_EQ(fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train " + kTrain + "--model tiny --steps 1 --export-init " + dir + "/init").exit_code, 0);
+  ASSERT_EQ(fsdp_test::sh(fsdp_test::fsdp_train() + " " + kTrain + "--model tiny --steps 1 --export-init " + dir + "/init").exit_code, 0);
   const auto saved = fsdp_test::sh(interop() + "save --export-dir " + dir + "/init --out " + dir + "/py");
   ASSERT_EQ(saved.exit_code, 0) << saved.output;
   for (const std::string f : {"model.safetensors", "model_dict.pt"}) {

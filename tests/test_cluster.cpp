@@ -22,7 +22,7 @@ using fsdp_test::sh;
 const std::string kScript = std::string(FSDP_SOURCE_DIR) + "/scripts/cluster";
 const std::string kTraffic = std::string(FSDP_SOURCE_DIR) + "/bench/cluster/traffic.py";
 
-std::string train_bin() { return fsdp_test::bin_dir() + "/fsdp-train"; }
+std::string train_bin() { return fsdp_test::fsdp_train() + ""; }
 
 using fsdp_test::read_jsonl;
 

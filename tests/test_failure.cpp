@@ -195,8 +195,8 @@ TEST(Failure, RankThatNeverArrives) {
 namespace {
 
 TEST(Failure, GlooInterfaceThatDoesNotExistIsRefusedWithTheOnesThatDo) {
-  const auto run = fsdp_test::sh("GLOO_SOCKET_IFNAME=nope0 " + fsdp_test::bin_dir() +
-                                     "/fsdp-train --model tiny --steps 1 --nproc-per-node 2",
+  const auto run = fsdp_test::sh("GLOO_SOCKET_IFNAME=nope0 " + fsdp_test::fsdp_train() +
+                                     " --model tiny --steps 1 --nproc-per-node 2",
                                  90);
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.output.find("GLOO_SOCKET_IFNAME names 'nope0', which is not an interface of this host. "
@@ -204,8 +204,8 @@ TEST(Failure, GlooInterfaceThatDoesNotExistIsRefusedWithTheOnesThatDo) {
             std::string::npos)
       << run.output;
   // A name that exists is used, as PyTorch users set it.
-  const auto lo = fsdp_test::sh("GLOO_SOCKET_IFNAME=lo " + fsdp_test::bin_dir() +
-                                    "/fsdp-train --model tiny --steps 2 --nproc-per-node 2",
+  const auto lo = fsdp_test::sh("GLOO_SOCKET_IFNAME=lo " + fsdp_test::fsdp_train() +
+                                    " --model tiny --steps 2 --nproc-per-node 2",
                                 90);
   EXPECT_EQ(lo.exit_code, 0) << lo.output;
   EXPECT_NE(lo.output.find("Gloo communicates over interface lo (GLOO_SOCKET_IFNAME)"), std::string::npos) << lo.output;

@@ -3,7 +3,7 @@
 
 #include <random>
 
-#include "src/flat_param.h"
+#include "src/engine/flat_param.h"
 
 namespace {
 

@@ -41,8 +41,8 @@ TEST_P(Golden, LossesAreBitwiseThoseRecorded) {
   const json expected = golden()[GetParam()];
   const std::string metrics = fsdp_test::temp_prefix("golden-" + GetParam()) + ".jsonl";
   std::remove(metrics.c_str());
-  const std::string cmd = std::string(kPinnedKernels) + fsdp_test::bin_dir() +
-                          "/fsdp-train --threads 1 --model tiny --steps 4 --global-batch-size 12 --log-every 100 --data " +
+  const std::string cmd = std::string(kPinnedKernels) + fsdp_test::fsdp_train() +
+                          " --threads 1 --model tiny --steps 4 --global-batch-size 12 --log-every 100 --data " +
                           FSDP_SOURCE_DIR + "/tests/data/corpus.txt " + expected["args"].get<std::string>() +
                           " --metrics-jsonl " + metrics;
   auto run = fsdp_test::sh(cmd);

@@ -25,7 +25,7 @@ TrainRun train(const std::string& name, const std::string& args, int timeout_s =
   const std::string metrics = fsdp_test::temp_prefix("memory-" + name) + ".jsonl";
   std::remove(metrics.c_str());
   TrainRun t;
-  t.run = fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train --log-every 100 --metrics-jsonl " + metrics + " " + args,
+  t.run = fsdp_test::sh(fsdp_test::fsdp_train() + " --log-every 100 --metrics-jsonl " + metrics + " " + args,
                         timeout_s);
   t.rows = read_jsonl(metrics);
   std::remove(metrics.c_str());
@@ -180,8 +180,8 @@ namespace {
 // unsharded state does not fit, is refused by the budget in seconds (bench/capped_ranks; without
 // the check the kernel kills every rank, docs/performance.md).
 TEST(Memory, UnderAPerRankCapShardingTrainsAndReplicationIsRefused) {
-  const std::string capped = std::string(FSDP_SOURCE_DIR) + "/bench/capped_ranks 1200M 4 " + fsdp_test::bin_dir() +
-                             "/fsdp-train --model large --global-batch-size 4 --steps 3 --log-every 1 ";
+  const std::string capped = std::string(FSDP_SOURCE_DIR) + "/bench/capped_ranks 1200M 4 " + fsdp_test::fsdp_train() +
+                             " --model large --global-batch-size 4 --steps 3 --log-every 1 ";
   const auto probe = fsdp_test::sh(std::string(FSDP_SOURCE_DIR) + "/bench/capped_ranks 64M 1 true", 30);
   if (probe.exit_code != 0) GTEST_SKIP() << "no writable memory cgroup here: " << probe.output;
   const auto full = fsdp_test::sh(capped + "--strategy full_shard", 300);

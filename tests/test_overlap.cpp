@@ -159,7 +159,7 @@ TEST(Overlap, EveryPrefetchModeMatchesLocalTraining) {
 TEST(Overlap, TrainingTraceHoldsEveryUnitAndCollective) {
   const std::string dir = fsdp_test::temp_prefix("trace");
   const std::string metrics = dir + "-metrics.jsonl";
-  auto run = fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train --nproc-per-node 2 --model tiny --steps 3 --trace " + dir +
+  auto run = fsdp_test::sh(fsdp_test::fsdp_train() + " --nproc-per-node 2 --model tiny --steps 3 --trace " + dir +
                            " --trace-step 1 --metrics-jsonl " + metrics);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   json calls;

@@ -77,7 +77,7 @@ struct MainJob {
 MainJob main_job(const std::string& args, int steps, int timeout_s = 300) {
   const std::string metrics = fsdp_test::temp_prefix("main-job") + ".jsonl";
   std::remove(metrics.c_str());
-  const auto run = fsdp_test::sh(fsdp_test::bin_dir() + "/fsdp-train --steps " + std::to_string(steps) +
+  const auto run = fsdp_test::sh(fsdp_test::fsdp_train() + " --steps " + std::to_string(steps) +
                                      " --log-every 1000 --metrics-jsonl " + metrics + " " + args,
                                  timeout_s);
   EXPECT_EQ(run.exit_code, 0) << args << "\n" << run.output;

@@ -83,6 +83,19 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--export-full", c.export_full, "after training, write the whole model to this .safetensors file");
   app.add_option("--load-weights", c.load_weights,
                  "before training, load the model's weights from a .safetensors file or a torch.save file of a dict");
+  app.add_option("--run-dir", c.run_dir,
+                 "keep the run's checkpoint (checkpoints/), the whole model (model.safetensors) and summary.json in "
+                 "this folder; auto: runs/<model>-<date>-<time>; none: keep nothing")
+      ->capture_default_str();
+  app.add_option("--prompt", c.prompt, "the text the GPT's sample at the end of the run starts from")->capture_default_str();
+  app.add_option("--sample-tokens", c.sample_tokens, "tokens the trained GPT writes after --prompt at the end (0: none)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--temperature", c.temperature, "the sample's temperature (0: always the most likely token)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--sample-via", c.sample_via,
+                 "how the sample runs the model: summon (summon_full_params on rank 0: the model gathered once) or "
+                 "sharded (the wrapped forward on every rank: gathered per token)")
+      ->check(CLI::IsMember({"summon", "sharded"}))->capture_default_str();
   app.add_flag("--plan", c.plan, "print the per-rank memory plan (fp32 and bf16) without allocating the model, then exit");
   app.add_option("--world-size", c.plan_world, "--plan and --simulate-rank: the job's ranks (default: --nproc-per-node)")
       ->check(CLI::PositiveNumber);
@@ -109,6 +122,7 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
     return app.exit(e);
   }
   if (c.global_batch == 0) c.global_batch = default_global_batch(c.model);
+  c.args.assign(argv + 1, argv + argc);
   return std::nullopt;
 }
 

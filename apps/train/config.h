@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "fsdp/options.h"
 #include "models/data.h"
@@ -61,6 +62,15 @@ struct Config {
   std::string resume;        // a checkpoint folder, or a --save-dir folder (its newest checkpoint)
   std::string export_full;   // after training, write the whole model to this .safetensors file
   std::string load_weights;  // before training, load weights from a .safetensors or torch.save file
+  // The end of a run (run_folder.h, text_sample.h): where it keeps its checkpoint and model
+  // ("auto": runs/<model>-<date>-<time>; "none": nothing unless --save-dir / --export-full ask),
+  // and the text sample the trained GPT writes after --prompt.
+  std::string run_dir = "auto";
+  std::string prompt = "This program is ";
+  int sample_tokens = 200;       // 0: no sample
+  double temperature = 0.8;      // 0: greedy
+  std::string sample_via = "summon";  // or "sharded" (text_sample.h)
+  std::vector<std::string> args;  // the flags as given (after the launcher's), for the resume command
   bool plan = false;         // print the per-rank memory plan for plan_world ranks, then exit
   int plan_world = 0;
   int plan_local = 8;        // ranks per node, for the plan's hybrid strategies

@@ -47,6 +47,8 @@ class GPTWorkload final : public Workload {
   // Training FLOPs per token (forward and backward: 3 x the forward's 2 per weight, and
   // attention's two T x d products per layer).
   int64_t blocks() const override { return cfg_.n_layer; }
+  // Text when the corpus is bytes (a .u16 corpus holds ids of a tokenizer fsdp-train does not know).
+  int64_t text_context() const override { return data_.vocab_size() == 256 ? cfg_.block_size : 0; }
   double flops_scale(int64_t layers) const override {
     auto per_token = [&](double L) {
       const double d = static_cast<double>(cfg_.d_model);

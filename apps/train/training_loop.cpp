@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <set>
 #include <thread>
@@ -22,6 +23,9 @@
 #include "link_counters.h"
 #include "memory_log.h"
 #include "metrics_log.h"
+#include "run_folder.h"
+#include "run_summary.h"
+#include "text_sample.h"
 #include "trainee.h"
 #include "workload.h"
 
@@ -99,6 +103,24 @@ Batch slice(const Batch& b, int64_t begin, int64_t n) {
   for (const auto& t : b.inputs) out.inputs.push_back(t.narrow(0, begin, n));
   out.targets = b.targets.narrow(0, begin, n);
   return out;
+}
+
+// Bytes under `path` (a file or a folder), for the saved files' lines.
+int64_t bytes_under(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return static_cast<int64_t>(fs::file_size(path, ec));
+  int64_t total = 0;
+  for (const auto& e : fs::recursive_directory_iterator(path, ec)) {
+    if (e.is_regular_file(ec)) total += static_cast<int64_t>(e.file_size(ec));
+  }
+  return total;
+}
+
+std::string megabytes(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f MB", static_cast<double>(bytes) / 1e6);
+  return text;
 }
 
 }  // namespace
@@ -224,10 +246,19 @@ int train(const Config& c) {
   const fsdp::ProcessMemory constructed = fsdp::process_memory(device);
 
   // Checkpoints: weights from a file, a resumed run, and the checkpointer for this one.
-  if (plain && (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty() || !c.load_weights.empty())) {
-    throw std::invalid_argument(std::string("--save-dir, --resume, --export-full and --load-weights need fsdp; drop ") +
-                                plain_flag);
+  if (plain && (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty() || !c.load_weights.empty() ||
+                (c.run_dir != "auto" && c.run_dir != "none"))) {
+    throw std::invalid_argument(std::string("--save-dir, --resume, --export-full, --load-weights and --run-dir need "
+                                            "fsdp; drop ") + plain_flag);
   }
+  if (simulated && c.run_dir != "auto" && c.run_dir != "none") {
+    throw std::invalid_argument("--simulate-rank: a simulated rank has no peers to save with; drop --run-dir");
+  }
+  // Where the run keeps what it made (run_folder.h): its checkpoint and the whole model, unless
+  // --save-dir / --export-full name other places. A collective: rank 0 names it.
+  const std::optional<RunFolder> run = plain || simulated ? std::nullopt : RunFolder::create(c, *mesh);
+  const std::string save_dir = !c.save_dir.empty() ? c.save_dir : run ? run->checkpoints() : "";
+  const std::string export_full = !c.export_full.empty() ? c.export_full : run ? run->model_file() : "";
   fsdp::FullyShardedDataParallelBase* wrapped = trainee->wrapped();
   fsdp::ShardedGradScaler* scaler_ptr = scaler ? &*scaler : nullptr;
   if (!c.load_weights.empty()) fsdp::load_model_file(c.load_weights, *wrapped);
@@ -261,12 +292,12 @@ int train(const Config& c) {
     }
   }
   std::unique_ptr<fsdp::Checkpointer> checkpointer;
-  if (!c.save_dir.empty()) {
+  if (!save_dir.empty()) {
     fsdp::CheckpointOptions co;
     co.kind = fsdp::parse_state_dict_kind(c.checkpoint_kind);
     co.keep_last = c.keep_last;
     co.async = c.async_save;
-    checkpointer = std::make_unique<fsdp::Checkpointer>(mesh, c.save_dir, co);
+    checkpointer = std::make_unique<fsdp::Checkpointer>(mesh, save_dir, co);
   }
 
   if (prints) {
@@ -282,9 +313,29 @@ int train(const Config& c) {
   auto loss_of = [&](const Batch& b) {
     return workload->loss(trainee->forward([&] { return workload->forward(*model, b, trainee->input_dtype()); }), b);
   };
+  // The held-out figures after `step`: the loss of a held-out batch (forward only: no graph, nothing
+  // gathered stays behind) and what else the workload evaluates (the DHEN's AUC).
+  auto evaluate = [&](int step) {
+    torch::NoGradGuard no_grad;
+    const int64_t eval_n = workload->eval_samples(c.global_batch), eval_per_rank = eval_n / W;
+    const Batch held_out = on_device(
+        workload->batch(-1 - step, eval_n, c.seed, rank * eval_per_rank, (rank + 1) * eval_per_rank), device);
+    const torch::Tensor out = trainee->forward([&] { return workload->forward(*model, held_out, trainee->input_dtype()); });
+    std::map<std::string, double> figures = {{"loss", global_mean(*mesh, workload->loss(out, held_out))}};
+    for (const auto& [name, value] : workload->evaluate(all_gather_rows(*mesh, out), all_gather_rows(*mesh, held_out.targets))) {
+      figures[name] = value;
+    }
+    return figures;
+  };
+  RunSummary summary(workload->name() + ", " + trainee->describe() + ", W=" + std::to_string(W),
+                     workload->throughput_unit());
+  std::map<std::string, double> last_eval;  // the newest held-out figures, and after which step
+  int last_eval_step = -1;
+  std::string last_checkpoint;
   std::vector<double> sampled_step_ms;  // --simulate-layers: the steps after the first
   std::optional<MemoryTimeline> timeline;
   if (!c.memory_timeline.empty()) timeline.emplace(device);
+  summary.begin();
   for (int step = start_step; step < c.steps; ++step) {
     trainee->begin_step();
     MemoryTimeline* sampling = timeline && step == c.trace_step ? &*timeline : nullptr;
@@ -364,18 +415,12 @@ int train(const Config& c) {
                   << "/trace-rank*.json (open in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
       }
     }
+    summary.add_step(step, r.loss, r.step_ms, tokens_per_step);
     nlohmann::json eval;  // the held-out figures, on the steps that evaluate
     if (c.eval_every > 0 && (step + 1) % c.eval_every == 0) {
-      // Forward only: no graph, nothing gathered stays behind.
-      torch::NoGradGuard no_grad;
-      const int64_t eval_n = workload->eval_samples(c.global_batch), eval_per_rank = eval_n / W;
-      const Batch held_out = on_device(
-          workload->batch(-1 - step, eval_n, c.seed, rank * eval_per_rank, (rank + 1) * eval_per_rank), device);
-      const torch::Tensor out = trainee->forward([&] { return workload->forward(*model, held_out, trainee->input_dtype()); });
-      eval = {{"loss", global_mean(*mesh, workload->loss(out, held_out))}};
-      for (const auto& [name, value] : workload->evaluate(all_gather_rows(*mesh, out), all_gather_rows(*mesh, held_out.targets))) {
-        eval[name] = value;
-      }
+      last_eval = evaluate(step);
+      last_eval_step = step;
+      eval = last_eval;
       if (prints) {
         std::cout << "step " << step;
         for (const auto& [name, value] : eval.items()) std::cout << " | eval " << name << " " << value.get<double>();
@@ -396,6 +441,7 @@ int train(const Config& c) {
       const fsdp::HostMemoryPeak save_peak;  // what the save allocates (FULL: one unit at a time)
       const nlohmann::json training = {{"data_position", step + 1}, {"seed", c.seed}};
       const std::string where = checkpointer->save(*wrapped, optim.adamw.get(), {step + 1, training.dump()}, scaler_ptr);
+      last_checkpoint = where;
       const double stall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
       int64_t largest_unit = 0;
       for (const auto& u : wrapped->units()) largest_unit = std::max(largest_unit, u.padded_numel * u.element_size);
@@ -429,9 +475,55 @@ int train(const Config& c) {
     }
   }
   if (checkpointer) checkpointer->wait();
-  if (!c.export_full.empty()) {
-    fsdp::export_full(c.export_full, *wrapped);
-    if (prints) std::cout << "fsdp-train: wrote the whole model to " << c.export_full << std::endl;
+  const bool trained = summary.steps() > 0;
+  if (!export_full.empty() && trained) {
+    fsdp::export_full(export_full, *wrapped);
+    if (prints && !run) std::cout << "fsdp-train: wrote the whole model to " << export_full << std::endl;
+  }
+  if (simulated) return 0;  // a simulated rank's losses are not trained results: nothing to sum up
+
+  // The end of the run: what it did, what it kept, and what the trained model writes.
+  if (trained) {
+    if (last_eval_step != c.steps - 1) last_eval = evaluate(c.steps - 1);
+    summary.set_held_out(last_eval);
+  }
+  summary.end();
+  if (prints) {
+    std::cout << "\n";
+    for (const std::string& line : summary.lines()) std::cout << line << "\n";
+    if (run && trained) {
+      std::ofstream(run->summary_file()) << summary.to_json().dump(2) << "\n";
+      // Single-host runs get the local launcher's flag; a job over hosts is started by its launcher.
+      const int nproc = env.local_world_size == W ? W : 0;
+      std::cout << "== saved in " << run->path() << "/\n";
+      if (!last_checkpoint.empty()) {
+        std::cout << "   checkpoint " << last_checkpoint << " (" << c.checkpoint_kind << ", "
+                  << megabytes(bytes_under(last_checkpoint)) << ")\n";
+      }
+      std::cout << "   model      " << export_full << " (" << megabytes(bytes_under(export_full))
+                << ", safetensors, the whole model)\n";
+      std::cout << "   summary    " << run->summary_file() << "\n";
+      if (!last_checkpoint.empty()) {
+        std::cout << "   resume:    " << resume_command(c, save_dir, 2 * c.steps, nproc) << "\n";
+      }
+      std::cout << "   in Python: " << python_load_command(export_full) << "\n";
+      if (nproc == 0) std::cout << "   (start the resumed job with your launcher, " << W << " ranks)\n";
+    } else if (run) {
+      std::error_code ec;
+      std::filesystem::remove(run->path(), ec);  // nothing trained: an empty folder is not kept
+    } else if (plain) {
+      std::cout << "== nothing saved: " << plain_flag << " trains without fsdp, and checkpoints need it\n";
+    }
+    std::cout << std::flush;
+  }
+  // A model resumed at its last step writes a sample too: the trained model, without training more.
+  if (trained || start_step > 0) {
+    if (const std::optional<TextSample> sample = sample_text(c, *workload, *model, *trainee, *mesh, device)) {
+      std::cout << "== sample: " << sample->tokens << " tokens after \"" << sample->prompt << "\" (temperature "
+                << c.temperature << ", seed " << c.seed << "; through " << sample->via << ", "
+                << static_cast<int64_t>(sample->seconds * 1000) << " ms)\n"
+                << sample->text << "\n" << std::flush;
+    }
   }
   return 0;
 }

@@ -81,6 +81,10 @@ class Workload {
   virtual double flops_scale(int64_t layers) const = 0;
   // The blocks --simulate-layers samples from (0: the workload cannot be sampled).
   virtual int64_t blocks() const { return 0; }
+  // As a language model on byte-level text, for the sample at the end of a run (text_sample.cpp):
+  // its window in tokens, the model's forward returning logits [B, T, V] of each next token.
+  // 0: this workload writes no text (T5, the DHEN-like model, a GPT trained on token ids).
+  virtual int64_t text_context() const { return 0; }
 };
 
 // The workload --model names: a GPT preset, t5-* or dhen-*. Reads the data it needs (the corpus

@@ -52,7 +52,7 @@ def calibrate(model, batch, steps=12, trace_step=6):
         metrics = os.path.join(d, "m.jsonl")
         cluster_run.cluster(2, 2, "1gbit", [TRAIN, "--model", model, "--steps", str(steps), "--global-batch-size", str(batch),
                                             "--strategy", "full_shard", "--log-every", "1000", "--metrics-jsonl", metrics,
-                                            "--trace", d, "--trace-step", str(trace_step)])
+                                            "--trace", d, "--trace-step", str(trace_step), "--run-dir", "none", "--sample-tokens", "0"])
         rows = [json.loads(l) for l in open(metrics)]
         per_rank = []
         for rank in range(4):
@@ -71,7 +71,8 @@ def calibrate(model, batch, steps=12, trace_step=6):
             os.makedirs(local_dir)
             subprocess.run([TRAIN, "--model", model, "--steps", str(steps), "--global-batch-size", str(batch),
                             "--strategy", "full_shard", "--nproc-per-node", "2", "--log-every", "1000", "--trace",
-                            local_dir, "--trace-step", str(trace_step)], check=True, capture_output=True)
+                            local_dir, "--trace-step", str(trace_step), "--run-dir", "none", "--sample-tokens", "0"],
+                           check=True, capture_output=True)
             for rank in range(2):
                 for e in trace_events(os.path.join(local_dir, "trace-rank%d.json" % rank)):
                     if e.get("ph") == "X" and e["cat"] in ("all-gather", "reduce-scatter") and e["args"].get("bytes", 0) > 0:

@@ -59,7 +59,7 @@ def train(hosts, per_host, rate, strategy, model, steps, batch, extra=()):
         metrics = os.path.join(d, "m.jsonl")
         program = [os.path.join(ROOT, "build", "bin", "fsdp-train"), "--model", model, "--steps", str(steps),
                    "--global-batch-size", str(batch), "--strategy", strategy, "--log-every", "1000",
-                   "--metrics-jsonl", metrics] + list(extra)
+                   "--metrics-jsonl", metrics, "--run-dir", "none", "--sample-tokens", "0"] + list(extra)
         if strategy.startswith("hybrid"):
             program += ["--shard-size", str(per_host)]
         cluster(hosts, per_host, rate, program)

@@ -55,7 +55,7 @@ PY
 run_ours() {  # label, extra fsdp-train flags
   local label=$1; shift
   build-gpu/bin/fsdp-train --device cuda --model 1b --steps "$STEPS" --global-batch-size "$BATCH" --log-every 1 \
-    --mixed-precision "${PRECISION:-bf16}" \
+    --run-dir none --sample-tokens 0 --mixed-precision "${PRECISION:-bf16}" \
     --metrics-jsonl "$OUT/ours-$label.jsonl" "$@" > "$OUT/ours-$label.log" 2>&1 || say "ours $label FAILED (see ours-$label.log)"
 }
 say "1B GPT, W=1, bf16 mixed precision: fsdp"
@@ -64,6 +64,7 @@ run_ours no-prefetch --backward-prefetch none
 run_ours no-limiter --limit-all-gathers 0
 PRECISION=none run_ours fp32
 build-gpu/bin/fsdp-train --device cuda --model 1b --steps 3 --global-batch-size "$BATCH" --trace "$OUT/trace" --trace-step 2 \
+  --run-dir none --sample-tokens 0 \
   > "$OUT/trace.log" 2>&1 || true
 
 say "1B GPT, W=1, bf16: PyTorch FSDP2, same weights and batches"

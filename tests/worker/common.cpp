@@ -1,7 +1,7 @@
 // What the worker's modes share: flags, data, optimizers, and the shard comparison.
 #include <set>
 
-#include "flat_param.h"
+#include "engine/flat_param.h"
 #include "worker.h"
 
 namespace worker {

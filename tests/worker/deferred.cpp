@@ -4,7 +4,7 @@
 //   ways of building and sharding; trains both two steps (gpt); checks that a constructor reading
 //   a deferred value is refused.
 #include "fsdp/deferred_init.h"
-#include "host_memory.h"
+#include "memory/host_memory.h"
 #include "worker.h"
 
 namespace worker {

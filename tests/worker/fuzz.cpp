@@ -16,7 +16,7 @@
 #include <random>
 #include <sstream>
 
-#include "flat_param.h"
+#include "engine/flat_param.h"
 #include "fuzz_models.h"
 
 namespace worker {

@@ -5,7 +5,7 @@
 //   equals local training given the same change; forward inside the scope is refused.
 #include <set>
 
-#include "flat_param.h"
+#include "engine/flat_param.h"
 #include "worker.h"
 
 namespace worker {

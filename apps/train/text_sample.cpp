@@ -1,0 +1,78 @@
+#include "text_sample.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+
+#include "models/sampling.h"
+
+namespace train {
+
+std::optional<TextSample> sample_text(const Config& c, const Workload& workload, torch::nn::Module& model,
+                                      Trainee& trainee, fsdp::Mesh& mesh, const torch::Device& device) {
+  const int64_t context = workload.text_context();
+  if (c.sample_tokens == 0 || context == 0) return std::nullopt;
+  if (c.prompt.empty()) throw std::invalid_argument("--prompt is empty: give the text the sample starts from");
+  const bool root = mesh.rank() == 0;
+  models::SamplingOptions options;
+  options.tokens = c.sample_tokens;
+  options.context = context;
+  options.temperature = c.temperature;
+  options.seed = c.seed;
+  // The logits of the token after `ids` from the model's output [1, T, V].
+  auto last = [](const torch::Tensor& logits) { return logits.select(1, -1).reshape({-1}).to(torch::kCPU, torch::kFloat); };
+  auto plain_forward = [&](const torch::Tensor& ids) {
+    return last(workload.forward(model, Batch{{ids.to(device)}, {}}, std::nullopt));
+  };
+  TextSample sample;
+  sample.prompt = c.prompt;
+  std::vector<int64_t> ids;
+  const auto t0 = std::chrono::steady_clock::now();
+  fsdp::FullyShardedDataParallelBase* wrapped = trainee.wrapped();
+  if (wrapped == nullptr) {
+    // Local training or the DDP-style baseline: rank 0 holds the whole model already.
+    sample.via = "the model's forward (no fsdp)";
+    if (root) ids = models::sample_tokens(plain_forward, models::encode_bytes(c.prompt), options);
+  } else if (c.sample_via == "summon") {
+    sample.via = "summon_full_params (rank 0)";
+    fsdp::SummonOptions whole;
+    whole.writeback = false;  // reading only
+    whole.rank0_only = true;  // the other ranks keep their shards
+    auto full = wrapped->summon_full_params(whole);
+    if (root) {
+      // The other local ranks wait at the end of the scope: rank 0 may use every core meanwhile.
+      const int threads = torch::get_num_threads();
+      torch::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+      try {
+        ids = models::sample_tokens(plain_forward, models::encode_bytes(c.prompt), options);
+      } catch (...) {
+        torch::set_num_threads(threads);
+        throw;
+      }
+      torch::set_num_threads(threads);
+    }
+  } else {
+    sample.via = "the sharded forward";
+    const int W = mesh.world_size();
+    auto sharded_forward = [&](const torch::Tensor& ids) {
+      torch::Tensor logits = last(trainee.forward(
+          [&] { return workload.forward(model, Batch{{ids.to(device)}, {}}, trainee.input_dtype()); }))
+          .contiguous();
+      if (W > 1) {
+        // Every rank samples from rank 0's logits, so every rank feeds the same tokens back.
+        std::vector<at::Tensor> tensors{logits};
+        mesh.world()->broadcast(tensors)->wait();
+      }
+      return logits;
+    };
+    torch::NoGradGuard no_grad;
+    ids = models::sample_tokens(sharded_forward, models::encode_bytes(c.prompt), options);
+  }
+  sample.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!root) return std::nullopt;
+  sample.text = models::decode_bytes(ids);
+  sample.tokens = options.tokens;
+  return sample;
+}
+
+}  // namespace train

@@ -1,0 +1,525 @@
+// Checkpoints on disk (include/fsdp/checkpoint.h, docs/checkpoints.md): the commit protocol that
+// makes a save all-or-nothing, asynchronous saves, keep-last, and loads that change nothing unless
+// every rank can load everything.
+//
+// A save, on every rank, over the checkpointer's own process group (so that an asynchronous save's
+// collectives on its thread never interleave with training's):
+//   PREPARE  rank 0 sweeps what killed saves left (.tmp-*) and creates .tmp-step-N/{model,optim}
+//   WRITE    each rank writes and fsyncs its files (FULL: rank 0, gathering one unit at a time)
+//   GATHER   every rank's part (pieces, files with sizes and CRC-32C, RNG state, error if any)
+//            reaches rank 0
+//   COMMIT   rank 0 writes and fsyncs manifest.json, renames .tmp-step-N to step-N and syncs the
+//            folder; only then is the checkpoint visible; then keep-last deletes the oldest
+//   RESULT   rank 0's outcome reaches every rank: a failure anywhere fails the save everywhere
+// A rank that dies before COMMIT leaves only a .tmp folder: the previous checkpoints are untouched.
+#include "fsdp/checkpoint.h"
+
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+#include <torch/serialize.h>
+
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/file_system.h"
+#include "comm/mesh_state.h"
+#include "checkpoint/safetensors.h"
+#include "wrap/sharded_root.h"
+#include "checkpoint/state_dict.h"
+
+namespace fsdp {
+namespace {
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string hex(const at::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  const auto* p = bytes.data_ptr<uint8_t>();
+  std::string out;
+  out.reserve(2 * bytes.numel());
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
+  }
+  return out;
+}
+
+at::Tensor unhex(const std::string& text) {
+  at::Tensor out = at::empty({static_cast<int64_t>(text.size() / 2)}, at::kByte);
+  auto* p = out.data_ptr<uint8_t>();
+  auto v = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  for (size_t i = 0; i + 1 < text.size(); i += 2) p[i / 2] = static_cast<uint8_t>(v(text[i]) << 4 | v(text[i + 1]));
+  return out;
+}
+
+// The random number generators a rank's training draws from: the CPU one and, with CUDA, the
+// current device's.
+nlohmann::json rng_state() {
+  nlohmann::json out;
+  {
+    at::Generator g = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(g.mutex());
+    out["cpu"] = hex(g.get_state());
+  }
+  if (at::hasCUDA()) {
+    at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA));
+    std::lock_guard<std::mutex> lock(g.mutex());
+    out["cuda"] = hex(g.get_state());
+  }
+  return out;
+}
+
+void set_rng_state(const nlohmann::json& j) {
+  if (j.contains("cpu")) {
+    at::Generator g = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(unhex(j["cpu"].get<std::string>()));
+  }
+  if (j.contains("cuda") && at::hasCUDA()) {
+    at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA));
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(unhex(j["cuda"].get<std::string>()));
+  }
+}
+
+// Every rank's error (empty: none); throws on every rank, naming the first rank that failed, when
+// any did. Every rank calls it at the same point, so a failure on one rank cannot leave the others
+// waiting in a later collective.
+void agree(const GroupPtr& group, const std::string& mine, const std::string& what) {
+  const auto all = all_gather_strings(group, mine);
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].empty()) {
+      throw std::runtime_error("fsdp: " + what + " failed on rank " + std::to_string(r) + ": " + all[r]);
+    }
+  }
+}
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+    return "";
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    return msg.empty() ? "unknown error" : msg;
+  }
+}
+
+// Complete checkpoints under `dir`, oldest first.
+std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  for (const std::string& name : list_directory(dir)) {
+    const std::string path = dir + "/" + name;
+    if (name.rfind("step-", 0) != 0 || !is_directory(path) || !path_exists(path + "/manifest.json")) continue;
+    try {
+      out.emplace_back(std::stoll(name.substr(5)), path);
+    } catch (const std::exception&) {
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// What a manifest says besides the pieces: the same on every rank (rank 0's is written).
+nlohmann::json manifest_base(detail::ShardedRoot& root, StateDictKind kind, const RankState& state,
+                             const TrainingState& training, const ShardedGradScaler* scaler) {
+  nlohmann::json m;
+  m["format"] = "fsdp-checkpoint";
+  m["version"] = 1;
+  m["kind"] = to_string(kind);
+  m["step"] = training.step;
+  m["world_size"] = root.comm().mesh().world_size;
+  m["shard_size"] = root.comm().mesh().shard_size;
+  m["strategy"] = to_string(root.options().strategy);
+  m["mixed_precision"] = root.options().mixed_precision ? nlohmann::json(dtype_name(root.options().mixed_precision->param_dtype))
+                                                        : nlohmann::json();
+  m["model"] = describe_model_state(root);
+  if (state.optimizer) {
+    m["optimizer"] = {{"type", state.optimizer->type}, {"groups", state.optimizer->groups}, {"steps", nlohmann::json::object()}};
+  } else {
+    m["optimizer"] = nullptr;
+  }
+  if (scaler) {
+    m["scaler"] = {{"scale", scaler->state().scale}, {"growth_tracker", scaler->state().growth_tracker}};
+  } else {
+    m["scaler"] = nullptr;
+  }
+  nlohmann::json user = nlohmann::json::parse(training.user_json, nullptr, false);
+  if (!user.is_object()) throw std::invalid_argument("fsdp: TrainingState::user_json must be a JSON object, got: " + training.user_json);
+  m["training"] = user;
+  return m;
+}
+
+void write_manifest(const std::string& folder, const nlohmann::json& m) {
+  const std::string path = folder + "/manifest.json";
+  {
+    std::ofstream out(path);
+    out << m.dump(1) << "\n";
+    if (!out) throw std::runtime_error("fsdp: cannot write " + path);
+  }
+  fsync_path(path);
+}
+
+}  // namespace
+
+StateDictKind parse_state_dict_kind(const std::string& name) {
+  if (name == "full") return StateDictKind::FULL;
+  if (name == "sharded") return StateDictKind::SHARDED;
+  if (name == "local") return StateDictKind::LOCAL;
+  throw std::invalid_argument("fsdp: unknown state dict kind \"" + name + "\"; choose full, sharded or local");
+}
+
+std::string to_string(StateDictKind kind) {
+  switch (kind) {
+    case StateDictKind::FULL: return "full";
+    case StateDictKind::SHARDED: return "sharded";
+    case StateDictKind::LOCAL: return "local";
+  }
+  return "?";
+}
+
+struct Checkpointer::Impl {
+  std::shared_ptr<Mesh> mesh;
+  CheckpointOptions options;
+  GroupPtr group;  // this checkpointer's own: its collectives may run on the save thread
+  std::thread writer;
+  std::string error;  // the last asynchronous save's, until wait() reports it
+  // Asynchronous saves' host copy, one buffer per dtype, kept from save to save: the next save
+  // waits for the previous write, so it can reuse the memory (already faulted in) at once.
+  std::map<c10::ScalarType, at::Tensor> staging;
+
+  // The steps after the files are written: gather the parts, commit on rank 0, agree.
+  void commit(const std::string& dir, const std::string& tmp, nlohmann::json manifest, const nlohmann::json& part) {
+    const int rank = group->getRank();
+    const auto parts = all_gather_strings(group, part.dump());
+    std::string result;
+    if (rank == 0) {
+      result = error_of([&] {
+        manifest["pieces"] = nlohmann::json::object();
+        manifest["files"] = nlohmann::json::object();
+        manifest["rng"] = nlohmann::json::object();
+        for (size_t r = 0; r < parts.size(); ++r) {
+          const auto p = nlohmann::json::parse(parts[r]);
+          if (p.contains("error")) throw std::runtime_error("rank " + std::to_string(r) + " could not write its part: " + p["error"].get<std::string>());
+          for (auto it = p["pieces"].begin(); it != p["pieces"].end(); ++it) {
+            for (const auto& piece : *it) manifest["pieces"][it.key()].push_back(piece);
+          }
+          for (auto it = p["files"].begin(); it != p["files"].end(); ++it) manifest["files"][it.key()] = *it;
+          manifest["rng"][std::to_string(r)] = p["rng"];
+          if (!manifest["optimizer"].is_null()) {
+            for (auto it = p["steps"].begin(); it != p["steps"].end(); ++it) {
+              auto& s = manifest["optimizer"]["steps"][it.key()];
+              if (s.is_null() || s.get<int64_t>() < it->get<int64_t>()) s = *it;
+            }
+          }
+        }
+        write_manifest(tmp, manifest);
+        for (const char* sub : {"model", "optim"}) fsync_path(tmp + "/" + sub);
+        fsync_path(tmp);
+        const std::string final_path = dir + "/" + step_name(manifest["step"].get<int64_t>());
+        std::string old;
+        if (path_exists(final_path)) {  // saving the same step again: the new one replaces it
+          old = dir + "/.old-" + step_name(manifest["step"].get<int64_t>());
+          remove_tree(old);
+          rename_path(final_path, old);
+        }
+        rename_path(tmp, final_path);
+        fsync_path(dir);
+        if (!old.empty()) remove_tree(old);
+        if (options.keep_last > 0) {
+          auto all = complete_checkpoints(dir);
+          for (size_t i = 0; i + options.keep_last < all.size(); ++i) remove_tree(all[i].second);
+        }
+      });
+    }
+    agree(group, result, "saving checkpoint " + dir + "/" + step_name(manifest["step"].get<int64_t>()));
+  }
+
+  // PREPARE: returns the temporary folder.
+  std::string prepare(const std::string& dir, int64_t step) {
+    const std::string tmp = dir + "/.tmp-" + step_name(step);
+    std::string err;
+    if (group->getRank() == 0) {
+      err = error_of([&] {
+        make_directories(dir);
+        for (const std::string& name : list_directory(dir)) {
+          if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0) remove_tree(dir + "/" + name);
+        }
+        make_directories(tmp + "/model");
+        make_directories(tmp + "/optim");
+      });
+    }
+    agree(group, err, "preparing checkpoint folder " + tmp);
+    return tmp;
+  }
+};
+
+Checkpointer::Checkpointer(std::shared_ptr<Mesh> mesh, std::string dir, CheckpointOptions options)
+    : impl_(std::make_unique<Impl>()), dir_(std::move(dir)) {
+  TORCH_CHECK(options.keep_last >= 0, "fsdp: keep_last must be 0 (keep all) or a positive count");
+  impl_->mesh = std::move(mesh);
+  impl_->options = options;
+  static std::atomic<int> count{0};
+  auto& state = detail::MeshState::of(*impl_->mesh);
+  impl_->group = state.make_group("checkpoint/" + std::to_string(count++), impl_->mesh->rank(),
+                                  impl_->mesh->world_size(), c10::DeviceType::CPU);
+}
+
+Checkpointer::~Checkpointer() {
+  if (impl_->writer.joinable()) impl_->writer.join();
+  // A destructor cannot throw: an asynchronous save that failed and was never waited for is at
+  // least reported (wait() before the end of training reports it as an exception).
+  if (!impl_->error.empty()) std::fprintf(stderr, "%s\n", impl_->error.c_str());
+}
+
+void Checkpointer::wait() {
+  if (impl_->writer.joinable()) impl_->writer.join();
+  if (!impl_->error.empty()) {
+    const std::string e = std::move(impl_->error);
+    impl_->error.clear();
+    throw std::runtime_error(e);
+  }
+}
+
+std::optional<std::string> Checkpointer::latest() const { return latest_checkpoint(dir_); }
+
+std::optional<std::string> latest_checkpoint(const std::string& dir) {
+  auto all = complete_checkpoints(dir);
+  if (all.empty()) return std::nullopt;
+  return all.back().second;
+}
+
+std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim::Optimizer* optimizer,
+                               const TrainingState& state, const ShardedGradScaler* scaler) {
+  wait();
+  detail::ShardedRoot& root = detail::RootAccess::of(model);
+  root.check_checkpointable("saving a checkpoint");
+  const StateDictKind kind = impl_->options.kind;
+  const MeshInfo& mi = root.comm().mesh();
+  RankState rs = collect_rank_state(root, optimizer);
+  nlohmann::json manifest = manifest_base(root, kind, rs, state, scaler);
+  const std::string final_path = dir_ + "/" + step_name(state.step);
+  // The first replica writes a SHARDED checkpoint (the others hold the same shards); every rank
+  // writes its own LOCAL one.
+  const bool writes = kind == StateDictKind::LOCAL || mi.rank / mi.shard_size == 0;
+  auto part_of = [&](const WrittenPart& written) {
+    nlohmann::json p = written;
+    p["rng"] = rng_state();
+    p["steps"] = rs.optimizer ? rs.optimizer->steps : nlohmann::json::object();
+    return p;
+  };
+
+  if (kind == StateDictKind::FULL) {
+    TORCH_CHECK(!impl_->options.async, "fsdp: asynchronous saves write SHARDED or LOCAL checkpoints; a FULL one is "
+                                       "gathered through the model's own collectives and is written synchronously");
+    const std::string tmp = impl_->prepare(dir_, state.step);
+    WrittenPart written;
+    const std::string err = error_of([&] { written = write_full_files(tmp, root, rs); });
+    nlohmann::json p = err.empty() ? part_of(written) : nlohmann::json{{"error", err}};
+    impl_->commit(dir_, tmp, std::move(manifest), p);
+    return final_path;
+  }
+  if (!impl_->options.async) {
+    const std::string tmp = impl_->prepare(dir_, state.step);
+    WrittenPart written;
+    const std::string err = error_of([&] { written = write_rank_files(tmp, rs, kind, mi.rank, mi.world_size, writes); });
+    nlohmann::json p = err.empty() ? part_of(written) : nlohmann::json{{"error", err}};
+    impl_->commit(dir_, tmp, std::move(manifest), p);
+    return final_path;
+  }
+  // Asynchronous: copy this rank's state to host memory now (the stall), write it on a thread.
+  // Each element once, into the staging buffers: LOCAL copies whole flat shards (the parameters'
+  // pieces become views of those copies), SHARDED copies the pieces.
+  {
+    at::NoGradGuard no_grad;
+    const bool local = kind == StateDictKind::LOCAL;
+    auto is_shard_view = [&](const StatePiece& p) { return local && p.folder == "model" && p.unit >= 0; };
+    std::vector<at::Tensor*> sources;
+    if (local) {
+      for (auto& shard : rs.unit_shards) sources.push_back(&shard);
+    } else {
+      rs.unit_shards.clear();
+    }
+    for (auto& piece : rs.pieces) {
+      if (!is_shard_view(piece)) sources.push_back(&piece.local);
+    }
+    std::map<c10::ScalarType, int64_t> need;
+    for (const at::Tensor* t : sources) need[t->scalar_type()] += t->numel();
+    for (const auto& [dtype, n] : need) {
+      at::Tensor& buf = impl_->staging[dtype];
+      if (!buf.defined() || buf.numel() != n) buf = at::empty({n}, at::TensorOptions().dtype(dtype));
+    }
+    std::map<c10::ScalarType, int64_t> at;
+    for (at::Tensor* t : sources) {
+      int64_t& offset = at[t->scalar_type()];
+      at::Tensor dst = impl_->staging[t->scalar_type()].narrow(0, offset, t->numel());
+      dst.copy_(t->reshape({-1}));
+      offset += t->numel();
+      *t = dst;
+    }
+    for (auto& piece : rs.pieces) {
+      if (is_shard_view(piece)) piece.local = rs.unit_shards[piece.unit].narrow(0, piece.shard_offset, piece.local.numel());
+    }
+  }
+  const nlohmann::json rng = rng_state();
+  impl_->writer = std::thread([this, rs = std::move(rs), manifest = std::move(manifest), kind, writes, rng,
+                               rank = mi.rank, world = mi.world_size, step = state.step]() mutable {
+    impl_->error = error_of([&] {
+      const std::string tmp = impl_->prepare(dir_, step);
+      WrittenPart written;
+      const std::string err = error_of([&] { written = write_rank_files(tmp, rs, kind, rank, world, writes); });
+      nlohmann::json p = written;
+      if (!err.empty()) {
+        p = {{"error", err}};
+      } else {
+        p["rng"] = rng;
+        p["steps"] = rs.optimizer ? rs.optimizer->steps : nlohmann::json::object();
+      }
+      rs = RankState{};  // the host copy goes as soon as it is written
+      impl_->commit(dir_, tmp, std::move(manifest), p);
+    });
+  });
+  return final_path;
+}
+
+TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelBase& model,
+                              torch::optim::Optimizer* optimizer, ShardedGradScaler* scaler) {
+  detail::ShardedRoot& root = detail::RootAccess::of(model);
+  root.check_checkpointable("loading a checkpoint");
+  const MeshInfo& mi = root.comm().mesh();
+  StagedLoad staged;
+  nlohmann::json manifest;
+  const std::string err = error_of([&] {
+    manifest = read_manifest(path);
+    const StateDictKind kind = parse_state_dict_kind(manifest["kind"].get<std::string>());
+    if (kind == StateDictKind::LOCAL) {
+      const auto here = describe_model_state(root);
+      const int W = manifest["world_size"].get<int>(), F = manifest.value("shard_size", 0);
+      if (W != mi.world_size || F != mi.shard_size || manifest["model"]["units"] != here["units"]) {
+        throw std::runtime_error(
+            "fsdp: " + path + " is a LOCAL checkpoint saved at W=" + std::to_string(W) + ", F=" + std::to_string(F) +
+            " (" + manifest.value("strategy", "?") + ", " + std::to_string(manifest["model"]["units"].size()) +
+            " units); this model is wrapped at W=" + std::to_string(mi.world_size) + ", F=" +
+            std::to_string(mi.shard_size) + " (" + to_string(root.options().strategy) + ", " +
+            std::to_string(here["units"].size()) + " units). LOCAL checkpoints load only into the same layout: "
+            "resume with the saving job's world size and strategy, or save FULL or SHARDED checkpoints to reshard.");
+      }
+    }
+    verify_files(path, manifest, mi.rank, mi.world_size);
+    const SavedTensors saved = saved_from_manifest(path, manifest);
+    stage_model(root, saved, staged);
+    if (optimizer) stage_optimizer(root, *optimizer, saved, manifest.value("optimizer", nlohmann::json()), staged);
+    if (scaler && manifest.value("scaler", nlohmann::json()).is_null()) {
+      throw std::runtime_error("fsdp: " + path + " holds no gradient scaler state (it was saved without one); "
+                               "load it without a scaler");
+    }
+  });
+  agree(mi.world_group, err, "loading checkpoint " + path + " (nothing was changed)");
+  apply(staged, optimizer);
+  if (scaler) scaler->load_state({manifest["scaler"]["scale"].get<double>(), manifest["scaler"]["growth_tracker"].get<int64_t>()});
+  if (manifest["world_size"].get<int>() == mi.world_size && manifest.contains("rng")) {
+    const std::string me = std::to_string(mi.rank);
+    if (manifest["rng"].contains(me)) set_rng_state(manifest["rng"][me]);
+  }
+  TrainingState out;
+  out.step = manifest["step"].get<int64_t>();
+  out.user_json = manifest.value("training", nlohmann::json::object()).dump();
+  return out;
+}
+
+void export_full(const std::string& path, FullyShardedDataParallelBase& model) {
+  detail::ShardedRoot& root = detail::RootAccess::of(model);
+  root.check_checkpointable("export_full");
+  const RankState rs = collect_rank_state(root, nullptr);
+  const std::string tmp = path + ".tmp";
+  const int rank = root.comm().mesh().rank;
+  std::string err = error_of([&] { write_full_model_file(tmp, root, rs); });
+  if (rank == 0 && err.empty()) err = error_of([&] { rename_path(tmp, path); });
+  agree(root.comm().mesh().world_group, err, "exporting " + path);
+}
+
+void load_model_file(const std::string& path, FullyShardedDataParallelBase& model) {
+  detail::ShardedRoot& root = detail::RootAccess::of(model);
+  root.check_checkpointable("load_model_file");
+  StagedLoad staged;
+  const std::string err = error_of([&] {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::runtime_error("fsdp: cannot open " + path);
+    char magic[2] = {0, 0};
+    in.read(magic, 2);
+    // A torch.save file is a zip archive ("PK"), read whole by the unpickler; anything else is
+    // read as safetensors, each rank only the elements it holds.
+    if (in.gcount() == 2 && magic[0] == 'P' && magic[1] == 'K') {
+      in.seekg(0);
+      std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      c10::IValue value;
+      try {
+        value = torch::pickle_load(data);
+      } catch (const std::exception& e) {
+        throw std::runtime_error(
+            "fsdp: cannot read " + path + " with libtorch's unpickler (" + first_line(e.what()) +
+            "). A torch.save of model.state_dict() stores an OrderedDict, which libtorch cannot read (PyTorch issue "
+            "#100741). Re-save it from Python as a plain dict, torch.save(dict(model.state_dict()), path), or as "
+            "safetensors, safetensors.torch.save_model(model, path).");
+      }
+      if (!value.isGenericDict()) throw std::runtime_error("fsdp: " + path + " holds a " + value.tagKind() + ", not a dict of tensors");
+      std::map<std::string, at::Tensor> tensors;
+      for (const auto& kv : value.toGenericDict()) {
+        if (!kv.key().isString() || !kv.value().isTensor()) {
+          throw std::runtime_error("fsdp: " + path + " is not a dict of name -> tensor (entry " + kv.key().tagKind() + ")");
+        }
+        tensors[kv.key().toStringRef()] = kv.value().toTensor();
+      }
+      stage_model(root, saved_from_memory(path, tensors), staged);
+    } else {
+      stage_model(root, saved_from_safetensors(path), staged);
+    }
+  });
+  agree(root.comm().mesh().world_group, err, "loading " + path + " (nothing was changed)");
+  apply(staged, nullptr);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedDataParallelBase& model, bool rank0_only) {
+  detail::ShardedRoot& root = detail::RootAccess::of(model);
+  root.check_checkpointable("full_state_dict");
+  const bool keep = !rank0_only || root.comm().mesh().rank == 0;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  gather_units(
+      root,
+      shard_slice,
+      [&](const Unit& u, const at::Tensor& full) {
+        if (!keep) return;
+        for (const auto& e : u.handle().layout().entries()) out.emplace_back(e.fqn, view_of_param(full, e).clone());
+      },
+      rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
+  if (keep) {
+    for (const auto& b : root.module().named_buffers(true)) {
+      if (b.value().defined()) out.emplace_back(b.key(), b.value().detach().clone());
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, ShardedTensor>> sharded_state_dict(FullyShardedDataParallelBase& model) {
+  detail::ShardedRoot& root = detail::RootAccess::of(model);
+  root.check_checkpointable("sharded_state_dict");
+  std::vector<std::pair<std::string, ShardedTensor>> out;
+  for (const StatePiece& p : collect_rank_state(root, nullptr).pieces) {
+    out.emplace_back(p.key, ShardedTensor{p.shape, p.flat_begin, p.local});
+  }
+  return out;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,370 @@
+#include "checkpoint/checkpoint_reader.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+namespace fsdp {
+namespace {
+
+[[noreturn]] void fail(const std::string& origin, const std::string& what) {
+  throw std::runtime_error("fsdp: cannot load " + origin + ": " + what);
+}
+
+std::string list(const std::vector<std::string>& names, size_t most = 5) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < most; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > most) out += ", ... (" + std::to_string(names.size()) + " in all)";
+  return out;
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Reads pieces; opens each file once.
+class PieceReader {
+ public:
+  explicit PieceReader(const SavedTensors& saved) : saved_(saved) {}
+
+  // Elements [begin, begin + out.numel()) of saved tensor `name` into `out` (1-D, contiguous),
+  // converting the dtype if the saved one differs.
+  void read(const std::string& name, int64_t begin, at::Tensor& out) {
+    const int64_t end = begin + out.numel();
+    if (begin == end) return;
+    auto it = saved_.pieces.find(name);
+    if (it == saved_.pieces.end()) fail(saved_.origin, "it holds no data for \"" + name + "\"");
+    std::vector<const SavedPiece*> hits;
+    for (const SavedPiece& p : it->second) {
+      if (p.begin < end && p.end > begin) hits.push_back(&p);
+    }
+    std::sort(hits.begin(), hits.end(), [](const SavedPiece* a, const SavedPiece* b) { return a->begin < b->begin; });
+    int64_t cursor = begin;
+    for (const SavedPiece* p : hits) {
+      if (p->end <= cursor) continue;  // covered already (replicas' copies of a local checkpoint)
+      if (p->begin > cursor) break;
+      const int64_t stop = std::min(end, p->end);
+      at::Tensor dst = out.narrow(0, cursor - begin, stop - cursor);
+      const int64_t first = p->at + (cursor - p->begin);
+      if (p->memory.defined()) {
+        dst.copy_(p->memory.reshape({-1}).narrow(0, first, stop - cursor));
+      } else {
+        const SafetensorsFile& f = file(p->file);
+        const SafetensorsEntry* e = f.find(p->key);
+        if (!e) fail(f.path(), "the manifest names tensor \"" + p->key + "\", which the file does not hold");
+        if (first + (stop - cursor) > e->numel()) {
+          fail(f.path(), "tensor \"" + p->key + "\" is smaller than the manifest says");
+        }
+        if (e->dtype == dst.scalar_type()) {
+          f.read(*e, first, dst);
+        } else {
+          at::Tensor tmp = at::empty({stop - cursor}, at::TensorOptions().dtype(e->dtype));
+          f.read(*e, first, tmp);
+          dst.copy_(tmp);
+        }
+      }
+      cursor = stop;
+      if (cursor == end) break;
+    }
+    if (cursor < end) {
+      fail(saved_.origin, "elements " + std::to_string(cursor) + " to " + std::to_string(end) + " of \"" + name +
+                              "\" are in none of its files (a rank's file is missing from the manifest?)");
+    }
+  }
+
+ private:
+  const SafetensorsFile& file(const std::string& rel) {
+    auto it = files_.find(rel);
+    if (it != files_.end()) return *it->second;
+    const std::string path = saved_.folder.empty() || rel.front() == '/' ? rel : saved_.folder + "/" + rel;
+    return *files_.emplace(rel, std::make_unique<SafetensorsFile>(path)).first->second;
+  }
+
+  const SavedTensors& saved_;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+};
+
+// The saved name for a live name (itself, or the saved tensor it is an alias of).
+const std::string* resolve(const SavedTensors& saved, const std::string& name) {
+  if (saved.shapes.count(name)) return &saved.shapes.find(name)->first;
+  auto a = saved.alias_of.find(name);
+  if (a != saved.alias_of.end() && saved.shapes.count(a->second)) return &a->second;
+  return nullptr;
+}
+
+}  // namespace
+
+nlohmann::json read_manifest(const std::string& folder) {
+  const std::string path = folder + "/manifest.json";
+  std::ifstream in(path);
+  if (!in) {
+    struct stat st {};
+    if (::stat(folder.c_str(), &st) != 0) throw std::runtime_error("fsdp: no checkpoint at " + folder + ": it does not exist");
+    throw std::runtime_error("fsdp: " + folder + " is not a complete fsdp checkpoint: " + path +
+                             " is missing (an interrupted save leaves no manifest; load an earlier checkpoint)");
+  }
+  nlohmann::json m;
+  try {
+    m = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("fsdp: checkpoint manifest " + path + " is not valid JSON (corrupt?): " + e.what());
+  }
+  if (!m.is_object() || m.value("format", "") != "fsdp-checkpoint") {
+    throw std::runtime_error("fsdp: " + path + " is not an fsdp checkpoint manifest (its \"format\" is not \"fsdp-checkpoint\")");
+  }
+  if (m.value("version", 0) != 1) {
+    throw std::runtime_error("fsdp: " + path + " has manifest version " + m.value("version", nlohmann::json()).dump() +
+                             "; this fsdp reads version 1");
+  }
+  for (const char* field : {"kind", "world_size", "model", "pieces", "files", "step"}) {
+    if (!m.contains(field)) throw std::runtime_error("fsdp: checkpoint manifest " + path + " lacks \"" + field + "\"");
+  }
+  return m;
+}
+
+SavedTensors saved_from_manifest(const std::string& folder, const nlohmann::json& m) {
+  SavedTensors s;
+  s.origin = "checkpoint " + folder;
+  s.folder = folder;
+  try {
+    for (const char* group : {"params", "buffers"}) {
+      for (auto it = m["model"][group].begin(); it != m["model"][group].end(); ++it) {
+        s.shapes[it.key()] = (*it)["shape"].get<std::vector<int64_t>>();
+        s.dtypes[it.key()] = dtype_from_safetensors((*it)["dtype"].get<std::string>(), folder + "/manifest.json");
+        if (it->contains("aliases")) {
+          for (const auto& a : (*it)["aliases"]) s.alias_of[a.get<std::string>()] = it.key();
+        }
+      }
+    }
+    for (auto it = m["pieces"].begin(); it != m["pieces"].end(); ++it) {
+      for (const auto& p : *it) {
+        SavedPiece piece;
+        piece.file = p.at("file").get<std::string>();
+        piece.key = p.at("key").get<std::string>();
+        piece.begin = p.at("flat").at(0).get<int64_t>();
+        piece.end = p.at("flat").at(1).get<int64_t>();
+        piece.at = p.value("at", int64_t{0});
+        s.pieces[it.key()].push_back(std::move(piece));
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error("fsdp: checkpoint manifest " + folder + "/manifest.json is malformed: " + e.what());
+  }
+  return s;
+}
+
+SavedTensors saved_from_safetensors(const std::string& path) {
+  SafetensorsFile f(path);
+  SavedTensors s;
+  s.origin = path;
+  nlohmann::json sharding;
+  auto meta = f.metadata().find("DCP_SHARDING_INFO");
+  if (meta != f.metadata().end()) sharding = nlohmann::json::parse(meta->second, nullptr, false);
+  auto aliases = f.metadata().find("aliases");
+  if (aliases != f.metadata().end()) {
+    const auto j = nlohmann::json::parse(aliases->second, nullptr, false);
+    if (j.is_object()) {
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        for (const auto& a : *it) s.alias_of[a.get<std::string>()] = it.key();
+      }
+    }
+  }
+  for (const SafetensorsEntry& e : f.entries()) {
+    if (sharding.is_object() && sharding.contains(e.name)) {
+      fail(path, "it is one rank's piece of a sharded checkpoint (DCP_SHARDING_INFO); load the checkpoint folder "
+                 "with load_checkpoint, or a full file");
+    }
+    s.shapes[e.name] = e.shape;
+    s.dtypes[e.name] = e.dtype;
+    s.pieces[e.name].push_back(SavedPiece{path, e.name, 0, e.numel(), 0, {}});
+  }
+  return s;
+}
+
+SavedTensors saved_from_memory(const std::string& origin, const std::map<std::string, at::Tensor>& tensors) {
+  SavedTensors s;
+  s.origin = origin;
+  for (const auto& [name, t] : tensors) {
+    s.shapes[name] = t.sizes().vec();
+    s.dtypes[name] = t.scalar_type();
+    s.pieces[name].push_back(SavedPiece{origin, name, 0, t.numel(), 0, t.detach().contiguous()});
+  }
+  return s;
+}
+
+void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoad& out) {
+  at::NoGradGuard no_grad;
+  PieceReader reader(saved);
+  std::set<std::string> used;
+  std::vector<std::string> missing, mismatched;
+  auto check = [&](const std::string& name, const std::vector<int64_t>& shape) -> const std::string* {
+    const std::string* found = resolve(saved, name);
+    if (!found) {
+      missing.push_back(name);
+      return nullptr;
+    }
+    used.insert(*found);
+    const auto& s = saved.shapes.at(*found);
+    if (s != shape) {
+      mismatched.push_back(name + " (saved " + shape_text(s) + ", model " + shape_text(shape) + ")");
+      return nullptr;
+    }
+    return found;
+  };
+  std::vector<std::pair<const std::string*, std::pair<at::Tensor, int64_t>>> reads;  // saved name, dest, begin
+  // Every name of each parameter: a tied weight may be saved under any of them (Python's
+  // safetensors.torch.save_model keeps one name of a tied pair, not necessarily the first).
+  std::map<const c10::TensorImpl*, std::vector<std::string>> names_of;
+  for (const auto& item : root.module().named_parameters(true)) names_of[item.value().unsafeGetTensorImpl()].push_back(item.key());
+  for (const auto& unit : root.unit_list()) {
+    const FlatParamHandle& h = unit->handle();
+    for (size_t i = 0; i < h.layout().entries().size(); ++i) {
+      const auto& e = h.layout().entries()[i];
+      std::string live = e.fqn;
+      for (const std::string& n : names_of[h.params()[i].unsafeGetTensorImpl()]) {
+        if (resolve(saved, n)) {
+          live = n;
+          break;
+        }
+      }
+      const std::string* name = check(live, e.shape);
+      if (!name) continue;
+      reads.push_back({name, {shard_slice(*unit, i), h.slices()[i].param_begin}});
+    }
+  }
+  // A tied weight's other names may also be in the file (Python's state_dict lists every name).
+  for (const auto& item : root.module().named_parameters(true)) {
+    if (const std::string* found = resolve(saved, item.key())) used.insert(*found);
+  }
+  for (const auto& b : root.module().named_buffers(true)) {
+    if (!b.value().defined()) continue;
+    const std::string* name = check(b.key(), b.value().sizes().vec());
+    if (name) reads.push_back({name, {b.value().detach(), 0}});
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& [name, shape] : saved.shapes) {
+    if (!used.count(name)) unexpected.push_back(name);
+  }
+  if (!missing.empty() || !mismatched.empty() || !unexpected.empty()) {
+    std::string why = "it is not a state of this model:";
+    if (!missing.empty()) why += " the model's " + list(missing) + " not in it;";
+    if (!unexpected.empty()) why += " it holds " + list(unexpected) + ", which the model lacks;";
+    if (!mismatched.empty()) why += " shapes differ for " + list(mismatched) + ";";
+    fail(saved.origin, why + " (a checkpoint of another model or configuration?)");
+  }
+  for (auto& [name, dest] : reads) {
+    at::Tensor staged = at::empty({dest.first.numel()}, dest.first.options().device(c10::kCPU));
+    reader.read(*name, dest.second, staged);
+    out.copies.emplace_back(dest.first, staged);
+  }
+}
+
+void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimizer, const SavedTensors& saved,
+                     const nlohmann::json& mo, StagedLoad& out) {
+  at::NoGradGuard no_grad;
+  auto adapter = OptimizerStateAdapter::for_optimizer(optimizer);
+  if (mo.is_null()) {
+    fail(saved.origin, "it holds no optimizer state; load it without an optimizer, or start the optimizer fresh");
+  }
+  const std::string type = mo.value("type", "");
+  if (type != adapter->name()) {
+    fail(saved.origin, "its optimizer state is " + type + "'s, and this optimizer is " + adapter->name());
+  }
+  // Groups: the same parameters, by name, in the same groups.
+  std::map<const c10::TensorImpl*, std::string> name_of;
+  for (const auto& unit : root.unit_list()) {
+    const FlatParamHandle& h = unit->handle();
+    for (size_t i = 0; i < h.params().size(); ++i) name_of[h.params()[i].unsafeGetTensorImpl()] = h.layout().entries()[i].fqn;
+  }
+  for (auto& group : optimizer.param_groups()) {
+    std::set<std::string> names;
+    for (const auto& p : group.params()) names.insert(name_of.count(p.unsafeGetTensorImpl()) ? name_of[p.unsafeGetTensorImpl()] : "?");
+    const nlohmann::json* match = nullptr;
+    for (const auto& g : mo.at("groups")) {
+      std::set<std::string> saved_names;
+      for (const auto& n : g.at("params")) {
+        const std::string s = n.get<std::string>();
+        auto a = saved.alias_of.find(s);
+        saved_names.insert(a == saved.alias_of.end() ? s : a->second);
+      }
+      if (saved_names == names) match = &g;
+    }
+    if (!match) {
+      fail(saved.origin, "no saved optimizer group has the parameters of this optimizer's group that starts with " +
+                             (names.empty() ? std::string("(empty)") : *names.begin()) +
+                             " (the optimizer was built with other groups)");
+    }
+    // Checked now on a copy, so that apply() cannot fail halfway.
+    torch::optim::OptimizerParamGroup probe(std::vector<at::Tensor>{}, group.options().clone());
+    adapter->set_group_options(probe, match->at("options"));
+    out.group_options.push_back(match->at("options"));
+  }
+  const nlohmann::json& steps = mo.at("steps");
+  PieceReader reader(saved);
+  for (const auto& unit : root.unit_list()) {
+    const FlatParamHandle& h = unit->handle();
+    for (size_t i = 0; i < h.params().size(); ++i) {
+      const std::string& fqn = h.layout().entries()[i].fqn;
+      const at::Tensor& param = h.params()[i];
+      ParamOptimState st;
+      if (steps.contains(fqn)) {
+        st.present = true;
+        st.step = steps[fqn].get<int64_t>();
+        const ShardSlice& sl = h.slices()[i];
+        for (const std::string& key : adapter->tensor_keys()) {
+          const std::string name = "state." + fqn + "." + key;
+          if (!saved.pieces.count(name)) continue;
+          // Read on the CPU (pread), then moved to the parameter's device.
+          at::Tensor t = at::empty({sl.length}, param.options().device(c10::kCPU));
+          reader.read(name, sl.param_begin, t);
+          st.tensors[key] = t.view(param.sizes()).to(param.device());
+        }
+      }
+      out.optimizer_states.emplace_back(param, std::move(st));
+    }
+  }
+}
+
+void verify_files(const std::string& folder, const nlohmann::json& manifest, int rank, int world_size) {
+  int index = 0;
+  for (auto it = manifest["files"].begin(); it != manifest["files"].end(); ++it, ++index) {
+    const std::string path = folder + "/" + it.key();
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      throw std::runtime_error("fsdp: checkpoint file " + path + " is missing (the manifest lists it); the checkpoint "
+                               "is incomplete: copy the whole folder, or load an earlier checkpoint");
+    }
+    const int64_t bytes = (*it)["bytes"].get<int64_t>();
+    if (st.st_size != bytes) {
+      throw std::runtime_error("fsdp: checkpoint file " + path + " has " + std::to_string(st.st_size) +
+                               " bytes, the manifest says " + std::to_string(bytes) + " (truncated or replaced)");
+    }
+    if (index % world_size != rank) continue;
+    const uint32_t crc = SafetensorsFile(path).crc32c();
+    const uint32_t want = (*it)["crc32c"].get<uint32_t>();
+    if (crc != want) {
+      std::ostringstream msg;
+      msg << "fsdp: checkpoint file " << path << " is corrupt: its CRC-32C is " << crc << ", the manifest says " << want
+          << " (a changed byte; restore the file from a copy or load an earlier checkpoint)";
+      throw std::runtime_error(msg.str());
+    }
+  }
+}
+
+void apply(StagedLoad& staged, torch::optim::Optimizer* optimizer) {
+  at::NoGradGuard no_grad;
+  for (auto& [dest, src] : staged.copies) dest.copy_(src.view(dest.sizes()));
+  if (!optimizer) return;
+  auto adapter = OptimizerStateAdapter::for_optimizer(*optimizer);
+  for (size_t g = 0; g < staged.group_options.size(); ++g) {
+    adapter->set_group_options(optimizer->param_groups()[g], staged.group_options[g]);
+  }
+  for (auto& [param, st] : staged.optimizer_states) adapter->set(*optimizer, param, st);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,57 @@
+#include "comm/mesh_info.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "comm/mesh_state.h"
+
+namespace fsdp {
+
+int sharding_factor(const Options& options, int W, int local_world_size) {
+  const bool hybrid = options.strategy == ShardingStrategy::HYBRID_SHARD || options.strategy == ShardingStrategy::HYBRID_SHARD_ZERO2;
+  if (options.shard_size < 0) {
+    throw std::invalid_argument("fsdp: shard_size=" + std::to_string(options.shard_size) +
+                                " is negative; pass the sharding factor F of a hybrid strategy, or 0 for the ranks "
+                                "per node (LOCAL_WORLD_SIZE)");
+  }
+  int F = W;
+  switch (options.strategy) {
+    case ShardingStrategy::FULL_SHARD:
+    case ShardingStrategy::SHARD_GRAD_OP: F = W; break;
+    case ShardingStrategy::NO_SHARD: F = 1; break;
+    case ShardingStrategy::HYBRID_SHARD:
+    case ShardingStrategy::HYBRID_SHARD_ZERO2: F = options.shard_size > 0 ? options.shard_size : local_world_size; break;
+  }
+  if (!hybrid && options.shard_size != 0 && options.shard_size != F) {
+    throw std::invalid_argument("fsdp: shard_size=" + std::to_string(options.shard_size) + " is for the hybrid strategies; " +
+                                to_string(options.strategy) + " shards over F=" + std::to_string(F) +
+                                " ranks. Use hybrid_shard (or hybrid_shard_zero2) to choose F, or drop shard_size.");
+  }
+  if (F < 1 || W % F != 0) {
+    throw std::invalid_argument("fsdp: sharding factor F=" + std::to_string(F) + " (" + to_string(options.strategy) +
+                                ") does not divide the world size W=" + std::to_string(W) +
+                                ". Choose F among the divisors of W (F=W: full sharding, F=1: replication, "
+                                "1<F<W: hybrid sharding within groups of F ranks).");
+  }
+  return F;
+}
+
+bool reshards_after_forward(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::FULL_SHARD || strategy == ShardingStrategy::HYBRID_SHARD;
+}
+
+MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType device) {
+  MeshInfo info;
+  info.rank = mesh.rank();
+  info.world_size = mesh.world_size();
+  info.shard_size = sharding_factor(options, info.world_size, mesh.env().local_world_size);
+  info.shard_rank = mesh.rank() % info.shard_size;
+  info.replicas = info.world_size / info.shard_size;
+  const auto& groups = detail::MeshState::of(mesh).groups_for(info.shard_size, device);
+  info.shard_group = groups.shard;
+  info.replicate_group = groups.replicate;
+  info.world_group = mesh.world();
+  return info;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,37 @@
+// The sharding factor F and everything that travels with it (paper §3.2): how many ranks share a
+// unit's shards, this rank's place among them, and the process groups of its shard group and of
+// its replicas. Computed once per wrapped model from the options and the mesh (the one place
+// that validates F), then handed to every unit, like FSDP2's FSDPMeshInfo.
+#pragma once
+
+#include <c10/core/DeviceType.h>
+
+#include "comm/collectives.h"
+#include "fsdp/mesh.h"
+#include "fsdp/options.h"
+
+namespace fsdp {
+
+struct MeshInfo {
+  int rank = 0;         // this rank in the world
+  int world_size = 1;   // W: data-parallel ranks; gradients are averaged over them
+  int shard_size = 1;   // F: ranks that share one unit's shards
+  int shard_rank = 0;   // this rank's place in its shard group, 0 <= shard_rank < F
+  int replicas = 1;     // W / F: shard groups holding copies of the same shards
+  GroupPtr shard_group;      // F ranks: all-gather and reduce-scatter
+  GroupPtr replicate_group;  // W / F ranks: all-reduce of gradient shards
+  GroupPtr world_group;      // all W ranks, CPU tensors: cross-rank checks
+};
+
+// F for `options` on W ranks with `local_world_size` ranks per node: W for FULL_SHARD and
+// SHARD_GRAD_OP, 1 for NO_SHARD, shard_size (default: ranks per node) for the hybrid strategies.
+// Throws std::invalid_argument, naming the strategy, when F does not divide W.
+int sharding_factor(const Options& options, int world_size, int local_world_size);
+
+// FULL_SHARD and HYBRID_SHARD free parameters after forward; the ZeRO-2 strategies keep them.
+bool reshards_after_forward(ShardingStrategy strategy);
+
+// Builds (collectively) the groups for the options' F on `mesh`, for tensors of `device`.
+MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType device);
+
+}  // namespace fsdp

@@ -1,0 +1,60 @@
+// The inside of a Mesh (include/fsdp/mesh.h): the store and the process groups. The library builds
+// shard and replicate groups here for the sharding factor F of each wrapped model
+// (mesh_info.h turns them into what a unit needs), and compares fingerprints across ranks.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include <c10/core/DeviceType.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "comm/collectives.h"
+#include "fsdp/mesh.h"
+#include "comm/network_interface.h"
+
+namespace fsdp {
+
+// Gloo process groups run up to this many collectives at once, each on its own thread: an
+// all-gather for the next unit need not queue behind this unit's reduce-scatter.
+inline constexpr int kGlooThreadsPerGroup = 2;
+
+namespace detail {
+
+struct ShardGroups {
+  GroupPtr shard;      // F consecutive ranks: all-gather and reduce-scatter
+  GroupPtr replicate;  // the W/F ranks with the same place in their shard group: all-reduce
+};
+
+struct MeshState {
+  LaunchEnv env;
+  MeshOptions options;
+  c10::intrusive_ptr<c10d::Store> store;
+  GroupPtr world;
+  GroupPtr nccl_world;
+  GlooInterface gloo_interface;  // chosen once, when the mesh is made
+  bool simulated = false;        // Mesh::simulated: every group is a SimulatedBackend
+  std::map<std::pair<int, int>, ShardGroups> groups;  // (F, device type) -> groups
+  int checks = 0;
+
+  static MeshState& of(Mesh& mesh) { return *mesh.state_; }
+  static const MeshState& of(const Mesh& mesh) { return *mesh.state_; }
+
+  // The groups for sharding factor F (which must divide W: mesh_info.cpp validates it) and tensors
+  // of `device`: Gloo for CPU, NCCL for CUDA (one GPU per rank, LOCAL_RANK's). Built on first use,
+  // collectively: every rank must ask for the same F values in the same order.
+  const ShardGroups& groups_for(int shard_size, c10::DeviceType device);
+
+  // A clear error on every rank unless all ranks pass the same `fingerprint`. `what` names the
+  // thing being compared and `describe` is this rank's readable version of it, used to point at
+  // the first difference.
+  void check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe);
+
+  GroupPtr make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device);
+};
+
+}  // namespace detail
+}  // namespace fsdp

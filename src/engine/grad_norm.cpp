@@ -1,0 +1,29 @@
+#include "engine/grad_norm.h"
+
+#include <c10/core/GradMode.h>
+
+namespace fsdp {
+
+double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, double max_norm) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const Unit* u : units) {
+    for (const auto& p : u->handle().params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  at::Tensor sumsq = at::zeros({1}, units.empty() ? at::TensorOptions(at::kFloat)
+                                                  : units[0]->handle().shard().options().dtype(at::kFloat));
+  for (const auto& g : grads) sumsq.add_(g.to(at::kFloat).pow(2).sum());
+  if (comm.mesh().shard_size > 1) {
+    InFlight f = comm.issue(CommKind::ALL_REDUCE, Over::SHARD_GROUP, -1, "the gradient norm",
+                            [&] { return Buffers{sumsq, at::Tensor()}; });
+    comm.wait(f);
+  }
+  const at::Tensor total = sumsq.sqrt();
+  const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
+  for (auto& g : grads) g.mul_(coef.to(g.dtype()));
+  return total.item<double>();
+}
+
+}  // namespace fsdp

@@ -1,0 +1,17 @@
+// Gradient clipping by the exact global 2-norm over all ranks' sharded gradients.
+#pragma once
+
+#include <vector>
+
+#include "comm/comm_context.h"
+#include "engine/unit.h"
+
+namespace fsdp {
+
+// Scales every unit's sharded gradients by min(1, max_norm / (norm + 1e-6)) and returns the
+// norm. Each element of a flat parameter lives on exactly one rank of its shard group (replicas
+// hold copies), so the shard group's sum of squares is the global one. A tied weight is one
+// parameter of one unit: counted once.
+double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, double max_norm);
+
+}  // namespace fsdp

@@ -1,0 +1,221 @@
+#include "engine/gradient_reduction.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/strides.h>
+
+namespace fsdp {
+namespace {
+// A tensor sharing `flat`'s storage at `offset` with `sizes`, made with set_ rather than a view
+// op: autograd does not treat it as a view, so optimizers may detach_() it (zero_grad does).
+at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+}  // namespace
+
+GradientReduction::GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm)
+    : index_(index), handle_(handle), comm_(comm) {
+  grads_.resize(handle_.params().size());
+}
+
+void GradientReduction::stash() {
+  if (form_ == Form::UNSHARDED || stashed_) return;  // unreduced gradients stay: autograd adds to them
+  const auto& params = handle_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    grads_[i] = params[i].grad();
+    if (grads_[i].defined()) at::Tensor(params[i]).mutable_grad().reset();
+  }
+  stashed_ = true;
+}
+
+bool GradientReduction::has_unreduced() const {
+  if (form_ == Form::SHARDED && !stashed_) return false;  // what they hold is reduced already
+  for (const auto& p : handle_.params()) {
+    if (p.grad().defined()) return true;
+  }
+  return false;
+}
+
+void GradientReduction::keep_unsharded() {
+  at::NoGradGuard no_grad;
+  const auto& params = handle_.params();
+  const UnitDtypes& dt = handle_.dtypes();
+  const int F = comm_.mesh().shard_size;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor g = params[i].grad();
+    if (g.defined() && g.scalar_type() != dt.master) g = g.to(dt.master);
+    if (grads_[i].defined()) {
+      // Fold a reduced gradient in so that the next reduction gives it back (see the header).
+      if (!g.defined()) g = at::zeros(handle_.layout().entries()[i].shape, handle_.shard().options());
+      const ShardSlice& s = handle_.slices()[i];
+      const at::Tensor mine = F == 1 ? grads_[i].reshape(-1) : grads_[i].reshape(-1).narrow(0, 0, s.length);
+      g.view(-1).narrow(0, s.param_begin, s.length).add_(mine.to(dt.master), F);
+      grads_[i] = at::Tensor();
+    }
+    if (g.defined()) at::Tensor(params[i]).mutable_grad() = g;
+  }
+  form_ = Form::UNSHARDED;
+  stashed_ = false;
+}
+
+void GradientReduction::begin(bool no_sync) {
+  if (pending_) finish();  // one reduction per unit at a time, in issue order
+  if (no_sync) {
+    // Gradient accumulation without communication (§3.3.4): the gradients stay on the parameters.
+    keep_unsharded();
+    return;
+  }
+  at::NoGradGuard no_grad;
+  const auto& params = handle_.params();
+  const auto& layout = handle_.layout();
+  const UnitDtypes& dt = handle_.dtypes();
+  std::vector<bool> got(params.size(), false);
+  bool any = false;
+  at::Tensor flat;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor g = params[i].grad();
+    if (!g.defined()) continue;
+    if (!flat.defined()) flat = at::zeros({layout.padded_numel()}, handle_.shard().options().dtype(dt.reduce));
+    const auto& e = layout.entries()[i];
+    flat.narrow(0, e.offset, e.numel).copy_(g.reshape(-1));
+    at::Tensor(params[i]).mutable_grad().reset();
+    got[i] = any = true;
+  }
+  form_ = Form::SHARDED;
+  stashed_ = true;  // what grads_ holds (possibly nothing) is this iteration's to restore
+  if (!any) return;
+
+  // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
+  // the mean over ranks. In low precision divide before summing, so the sum cannot overflow
+  // (fp16); in full precision after, as local training would round.
+  const MeshInfo& mesh = comm_.mesh();
+  if (dt.low_precision_reduce()) flat.div_(mesh.world_size);
+  Pending r;
+  r.input = flat;
+  r.got = std::move(got);
+  if (mesh.shard_size > 1) {
+    r.reduce_scatter = comm_.issue(CommKind::REDUCE_SCATTER, Over::SHARD_GROUP, index_, "gradients", [&] {
+      if (flat.is_cpu()) {
+        // In place: the output is this rank's slot of the input (see reduce_scatter_sum), copied
+        // out when the input is freed.
+        r.output = flat.narrow(0, mesh.shard_rank * layout.shard_numel(), layout.shard_numel());
+      } else {
+        r.output = at::empty({layout.shard_numel()}, flat.options());  // on the reduce-scatter stream
+      }
+      return Buffers{r.output, r.input};
+    });
+  } else {
+    r.output = r.input;
+  }
+  pending_ = std::move(r);
+  // On CUDA the all-reduce is ordered after the reduce-scatter on the device, so it can be issued
+  // now; on CPU it is issued once the reduce-scatter is done (advance or finish).
+  if (comm_.streams().active() || !pending_->reduce_scatter) issue_all_reduce(*pending_);
+}
+
+void GradientReduction::issue_all_reduce(Pending& r) {
+  if (r.all_reduce || comm_.mesh().replicas <= 1) return;
+  r.all_reduce = comm_.issue(CommKind::ALL_REDUCE, Over::REPLICAS, index_, "gradient shards",
+                             [&] { return Buffers{r.output, at::Tensor()}; }, &r.reduce_scatter);
+}
+
+bool GradientReduction::advance() {
+  if (!pending_) return false;
+  Pending& r = *pending_;
+  if (r.reduce_scatter) {
+    // On CUDA `done` queries the event recorded on the communication stream after the
+    // collective: once it has passed, the compute stream may reuse the input's memory.
+    if (!comm_.done(r.reduce_scatter)) return comm_.mesh().replicas > 1 && !r.all_reduce;
+    comm_.wait(r.reduce_scatter);
+    release_input(r);
+  }
+  issue_all_reduce(r);
+  return false;
+}
+
+int64_t GradientReduction::complete_reduce_scatter() {
+  if (!pending_) return 0;
+  const int64_t blocked = comm_.wait(pending_->reduce_scatter);
+  release_input(*pending_);
+  issue_all_reduce(*pending_);
+  return blocked;
+}
+
+void GradientReduction::release_input(Pending& r) {
+  if (!r.output.defined() || !r.input.defined() || r.input.is_same(r.output)) return;
+  // An in-place reduce-scatter's output is a slot of its input: keep only the slot.
+  if (r.output.storage().is_alias_of(r.input.storage())) r.output = r.output.clone();
+  r.input = at::Tensor();
+}
+
+int64_t GradientReduction::finish() {
+  if (!pending_) return 0;
+  at::NoGradGuard no_grad;
+  Pending& r = *pending_;
+  const UnitDtypes& dt = handle_.dtypes();
+  int64_t blocked = comm_.wait(r.reduce_scatter);
+  release_input(r);
+  issue_all_reduce(r);
+  blocked += comm_.wait(r.all_reduce);
+  at::Tensor reduced = r.output;
+  if (dt.low_precision_reduce()) {
+    reduced = reduced.to(dt.master);  // back into the sharded gradient's dtype
+  } else {
+    reduced.div_(comm_.mesh().world_size);
+  }
+  const auto& slices = handle_.slices();
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const ShardSlice& s = slices[i];
+    if (grads_[i].defined()) reduced.narrow(0, s.shard_offset, s.length).add_(grads_[i].reshape(-1));
+  }
+  if (dt.grad != dt.master) reduced = reduced.to(dt.grad);
+  grad_shard_ = reduced;
+  const auto& entries = handle_.layout().entries();
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    if (!r.got[i] && !grads_[i].defined()) continue;  // no gradient yet: stays None, as locally
+    grads_[i] = comm_.mesh().shard_size == 1 ? alias(reduced, entries[i].offset, entries[i].shape)
+                                             : alias(reduced, slices[i].shard_offset, {slices[i].length});
+  }
+  pending_.reset();
+  return blocked;
+}
+
+void GradientReduction::restore() {
+  TORCH_CHECK(handle_.state() == HandleState::SHARDED && !pending_,
+              "fsdp: restoring sharded gradients needs the SHARDED state and no reduction in flight");
+  if (!stashed_) return;
+  const auto& params = handle_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (grads_[i].defined()) at::Tensor(params[i]).mutable_grad() = grads_[i];
+    grads_[i] = at::Tensor();
+  }
+  stashed_ = false;
+}
+
+int64_t GradientReduction::sharded_grad_bytes() const {
+  for (const auto& p : handle_.params()) {
+    const auto& g = p.grad();
+    if (g.defined() && grad_shard_.defined() &&
+        g.storage().unsafeGetStorageImpl() == grad_shard_.storage().unsafeGetStorageImpl()) {
+      return handle_.layout().shard_numel() * static_cast<int64_t>(grad_shard_.element_size());
+    }
+  }
+  return 0;
+}
+
+int64_t GradientReduction::reducing_bytes() const {
+  if (!pending_ || !pending_->input.defined() || pending_->input.is_same(pending_->output)) return 0;
+  return pending_->input.numel() * static_cast<int64_t>(pending_->input.element_size());
+}
+
+int64_t GradientReduction::unsharded_grad_bytes() const {
+  if (form_ != Form::UNSHARDED) return 0;
+  int64_t bytes = 0;
+  for (const auto& p : handle_.params()) {
+    if (p.grad().defined()) bytes += p.grad().numel() * static_cast<int64_t>(p.grad().element_size());
+  }
+  return bytes;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,98 @@
+// One unit's gradient pipeline (paper §3.2.2, §3.3.4): from the unsharded gradients autograd
+// accumulates into the unit's parameters to the sharded gradients the optimizer steps.
+//
+// Between iterations the parameters hold their gradients in one of two forms, and whatever the
+// user does to them (zero_grad to None or to zeros, at any point of a loop) acts on what they hold:
+//   SHARDED    reduced: each parameter's .grad is this rank's part of the global mean gradient (a
+//              1-D slice; the whole parameter's shape with F = 1), an alias of one flat shard
+//   UNSHARDED  after no_sync backwards: each .grad is this rank's own unreduced gradient sum in the
+//              parameter's full shape and the master dtype (so that many low-precision micro-
+//              batches do not round away), as DDP leaves it; the next synchronized backward
+//              reduces it
+//
+//   stash    backward reaches the unit (pre-backward, never at forward: a zero_grad between
+//            forward and backward must count): SHARDED gradients are taken off the parameters so
+//            autograd accumulates this backward's gradients into empty .grad fields of the
+//            unsharded shape; UNSHARDED ones stay, and autograd adds to them
+//   begin    synchronized: flatten into one buffer of the reduce dtype, issue the reduce-scatter in
+//            the shard group (with replicas the all-reduce follows: at once on CUDA,
+//            stream-ordered; on CPU once the reduce-scatter is done, see advance).
+//            no_sync: leave the gradients on the parameters in the UNSHARDED form; a stashed
+//            SHARDED gradient is folded in as F × itself in this rank's slice, which the later
+//            reduction (sum over W ranks of F·g placed by R = W/F replicas, divided by W) returns
+//            to exactly g
+//   advance  without blocking, polled as backward proceeds: once the reduce-scatter is done, free
+//            its input (the unit's unsharded gradients, the largest buffer of the pipeline, so
+//            that only reductions in flight hold unsharded gradients, the paper's memory model)
+//            and, with replicas, issue the all-reduce of its output
+//   finish   wait, divide by W (sum of per-rank means -> global mean), cast back to the master
+//            dtype, add the stashed gradient, and hold the result for restore
+//   restore  end of an iteration: give the parameters their SHARDED gradients (set_ aliases of one
+//            flat shard, so optimizers may detach_() them as zero_grad does)
+//
+// A reduction holds the buffers its collectives read and write until it has waited for them.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "comm/comm_context.h"
+#include "engine/flat_param_handle.h"
+
+namespace fsdp {
+
+// The most reduce-scatters whose inputs (a unit's unsharded gradients) may be alive at once:
+// backward waits for the oldest beyond it (Runtime::reduce), and the memory plan counts on it.
+inline constexpr int kMaxReductionsInFlight = 2;
+
+class GradientReduction {
+ public:
+  enum class Form { SHARDED, UNSHARDED };
+
+  GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm);
+
+  Form form() const { return form_; }
+  void stash();
+  // Whether the parameters hold gradients that a synchronized reduction has still to reduce.
+  bool has_unreduced() const;
+  void begin(bool no_sync);
+  // Polls without blocking; true while a reduce-scatter still has to finish before its all-reduce
+  // can be issued (later units must then wait their turn, to keep the all-reduces in order).
+  bool advance();
+  // Blocks until the reduce-scatter is done, frees its input and issues the all-reduce (with
+  // replicas); returns the nanoseconds the calling thread was blocked.
+  int64_t complete_reduce_scatter();
+  int64_t finish();  // returns the nanoseconds the calling thread was blocked
+  bool pending() const { return pending_.has_value(); }
+  void restore();  // requires no reduction in flight
+
+  int64_t sharded_grad_bytes() const;    // the SHARDED gradients the parameters hold now
+  int64_t unsharded_grad_bytes() const;  // the UNSHARDED (no_sync) gradients they hold now
+  int64_t reducing_bytes() const;        // unsharded gradients an unfinished reduce-scatter still reads
+
+ private:
+  struct Pending {
+    at::Tensor input;          // [padded_numel] unsharded gradients (reduce-scatter input), freed
+                               // as soon as the reduce-scatter is done
+    at::Tensor output;         // [shard_numel] (or the input itself with F = 1)
+    InFlight reduce_scatter, all_reduce;
+    std::vector<bool> got;     // which parameters contributed gradients
+  };
+  void issue_all_reduce(Pending& r);
+  // After the reduce-scatter is done: free its input (F > 1; with F = 1 it is the output).
+  void release_input(Pending& r);
+  void keep_unsharded();  // the no_sync half of begin
+
+  int index_;
+  const FlatParamHandle& handle_;
+  CommContext& comm_;
+  Form form_ = Form::SHARDED;
+  bool stashed_ = false;            // grads_ holds this iteration's stashed SHARDED gradients
+  std::vector<at::Tensor> grads_;   // stashed, then the reduced sharded gradients, per parameter
+  at::Tensor grad_shard_;           // [shard_numel] storage behind the reduced grads_
+  std::optional<Pending> pending_;
+};
+
+}  // namespace fsdp

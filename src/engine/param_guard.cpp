@@ -1,0 +1,71 @@
+#include "engine/param_guard.h"
+
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/param_key.h"
+
+namespace fsdp::guard {
+namespace {
+
+struct Entry {
+  Sink* sink;
+  size_t unit;
+};
+std::shared_mutex g_mutex;
+std::unordered_map<const c10::StorageImpl*, Entry> g_storages;
+
+}  // namespace
+
+void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  // Find the first parameter among the arguments, and whether the operator writes it.
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  std::optional<Entry> hit;
+  at::Tensor tensor;
+  bool writes = false;
+  {
+    std::shared_lock<std::shared_mutex> lock(g_mutex);
+    for (size_t i = 0; i < n && !hit; ++i) {
+      const c10::IValue& v = stack[stack.size() - n + i];
+      if (!v.isTensor() || !param_key::has_key(v.toTensor()) || !v.toTensor().has_storage()) continue;
+      auto it = g_storages.find(v.toTensor().storage().unsafeGetStorageImpl());
+      if (it == g_storages.end()) continue;
+      hit = it->second;
+      tensor = v.toTensor();
+      const auto* alias = schema.arguments()[i].alias_info();
+      writes = alias != nullptr && alias->isWrite();
+    }
+  }
+  if (hit) hit->sink->on_guarded_op(op, hit->unit, tensor, writes);
+}
+
+void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_storages[storage] = Entry{sink, unit};
+}
+
+void unregister_sink(Sink* sink) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  for (auto it = g_storages.begin(); it != g_storages.end();) {
+    it = it->second.sink == sink ? g_storages.erase(it) : std::next(it);
+  }
+}
+
+bool consumes_module_shape(const c10::OperatorName& name) {
+  static const std::unordered_set<std::string> ops = {
+      "aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv",
+      "aten::mv", "aten::bilinear", "aten::einsum", "aten::conv1d", "aten::conv2d", "aten::conv3d",
+      "aten::convolution", "aten::_convolution", "aten::conv_transpose1d", "aten::conv_transpose2d",
+      "aten::conv_transpose3d", "aten::embedding", "aten::embedding_bag", "aten::_embedding_bag",
+      "aten::layer_norm", "aten::native_layer_norm", "aten::group_norm", "aten::native_group_norm",
+      "aten::batch_norm", "aten::native_batch_norm", "aten::instance_norm", "aten::rms_norm",
+      "aten::scaled_dot_product_attention", "aten::prelu", "aten::lstm", "aten::gru", "aten::rnn_tanh",
+      "aten::rnn_relu"};
+  return ops.count(name.name) > 0;
+}
+
+}  // namespace fsdp::guard

@@ -1,0 +1,340 @@
+#include "engine/runtime.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace fsdp {
+namespace {
+
+// Fires inside AccumulateGrad once a parameter's gradient for this backward is complete: the
+// paper's signal for "this unit's gradients may be reduced now" (§4.3).
+struct GradReadyHook : torch::autograd::PostAccumulateGradHook {
+  GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  void operator()(const torch::autograd::Variable&) override { fn_(); }
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
+Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& options, bool reshard_after_forward)
+    : units_(std::move(units)),
+      comm_(comm),
+      options_(options),
+      reshard_after_forward_(reshard_after_forward),
+      // On CUDA an all-gather stays in flight until the device has freed its buffer.
+      limiter_(options.limit_all_gathers, /*device_frees=*/comm.streams().active()) {
+  TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    touch::register_storage(this, u, units_[u]->handle().shard_storage());
+    if (units_[u]->handle().has_unsharded_buffer()) touch::register_storage(this, u, units_[u]->handle().unsharded_storage());
+    if (units_[u]->is_root()) root_unit_ = u;
+    memory_.sharded_params += units_[u]->handle().sharded_param_bytes();
+    guard::register_storage(this, u, units_[u]->handle().shard_storage());
+    if (units_[u]->handle().has_unsharded_buffer()) guard::register_storage(this, u, units_[u]->handle().unsharded_storage());
+  }
+}
+
+Runtime::~Runtime() {
+  touch::unregister_sink(this);
+  guard::unregister_sink(this);
+}
+
+void Runtime::install_hooks() {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& params = units_[u]->handle().params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].requires_grad()) continue;
+      // Runs just before AccumulateGrad: the parameter must have its unsharded shape then, even
+      // when no backward operator read it (the first layer's weight when the input needs no grad).
+      std::weak_ptr<Runtime> weak = weak_from_this();
+      at::Tensor(params[i]).register_hook([weak, u](const at::Tensor&) {
+        if (auto rt = weak.lock()) rt->on_grad_arriving(u);
+      });
+      torch::autograd::impl::set_post_acc_grad_hooks(params[i], std::make_unique<GradReadyHook>([weak, u, i] {
+        if (auto rt = weak.lock()) rt->on_grad_accumulated(u, i);
+      }));
+    }
+  }
+}
+
+void Runtime::gather(size_t u) {
+  FlatParamHandle& handle = units_[u]->handle();
+  if (handle.state() != HandleState::SHARDED) return;
+  touch::Suppress own_work;
+  if (comm_.mesh().shard_size > 1) {
+    const int64_t t0 = Timeline::now_ns();
+    if (const int64_t blocked = limiter_.before_issue()) {
+      comm_.timeline().add(SpanKind::RATE_LIMIT, static_cast<int>(u), comm_.backward_pass(), t0, t0 + blocked);
+      overlap_.rate_limiter_wait_ns += blocked;
+    }
+  }
+  if (WorkPtr work = handle.begin_unshard()) {
+    limiter_.issued(u, std::move(work));
+    overlap_.max_all_gathers_in_flight = std::max(overlap_.max_all_gathers_in_flight, limiter_.in_flight());
+  }
+  note_memory();
+}
+
+void Runtime::use(size_t u) {
+  FlatParamHandle& handle = units_[u]->handle();
+  if (handle.state() == HandleState::UNSHARDED) {  // the common case: one check per operator
+    handle.unguard_gathered();
+    return;
+  }
+  gather(u);
+  if (handle.state() != HandleState::GATHERING) return;
+  touch::Suppress own_work;
+  overlap_.exposed_all_gather_ns += handle.finish_unshard();
+  limiter_.consumed(u);
+}
+
+void Runtime::reshard(size_t u) {
+  FlatParamHandle& handle = units_[u]->handle();
+  if (handle.state() == HandleState::SHARDED) return;
+  touch::Suppress own_work;
+  if (handle.state() == HandleState::GATHERING) {
+    // A prefetch nobody used: its buffer can only be freed once the collective is done with it.
+    overlap_.exposed_all_gather_ns += handle.finish_unshard();
+  }
+  handle.reshard();
+  if (comm_.mesh().shard_size > 1) limiter_.freed(u, comm_.streams().record_current());
+  note_memory();
+}
+
+void Runtime::begin_forward() {
+  check_not_failed();
+  TORCH_CHECK(!summoned_, "fsdp: forward inside summon_full_params: the parameters are whole for inspection there; "
+                          "end the summon_full_params scope before calling forward");
+  TORCH_CHECK(phase_ != Phase::BACKWARD && phase_ != Phase::FORWARD,
+              "fsdp: the root's forward was called inside its own forward or backward; "
+              "call it once per micro-batch, outside backward");
+  // Forwards whose graphs are all gone will never be backwarded: their iteration is over.
+  if (phase_ == Phase::FORWARD_DONE && !graph_alive()) end_iteration();
+  if (phase_ == Phase::IDLE) {
+    check_parameters_intact();
+    order_.start_iteration();
+    touch::arm(this, options_.unit_detection == UnitDetection::RECORD_FUNCTION);
+  }
+  phase_ = Phase::FORWARD;
+  pending_before_forward_ = backward_pending_;
+  comm_.set_backward_pass(false);
+  touch::set_forward_thread(true);
+}
+
+void Runtime::forward_begins(size_t u) {
+  order_.forward_started(u);
+  gather(u);
+  if (options_.forward_prefetch) {
+    // Issued before this unit's all-gather is waited for: both are in flight while it arrives.
+    for (size_t v : order_.next_in_forward(u, options_.prefetch_count, [](size_t) { return false; })) gather(v);
+  }
+  use(u);
+  units_[u]->pre_forward();
+}
+
+void Runtime::forward_ends(size_t u) {
+  units_[u]->post_forward();
+  order_.forward_ended(u);
+}
+
+void Runtime::end_forward(bool ok) {
+  touch::set_forward_thread(false);
+  check_not_failed();
+  if (current_unit_ && units_[*current_unit_]->state() == Unit::State::FORWARD) forward_ends(*current_unit_);
+  current_unit_.reset();
+  // Units still open: the root, and units containing others (not ended by a sibling starting).
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u]->state() == Unit::State::FORWARD) forward_ends(u);
+  }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    // Also frees forward prefetches that were not used (the guess from the last iteration was off).
+    if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard(u);
+  }
+  // Units left gathered for backward: whatever touches them before it must ask first.
+  {
+    touch::Suppress own_work;
+    for (Unit* unit : units_) unit->handle().guard_gathered();
+  }
+  // A forward that threw leaves no graph to wait for, but an earlier forward of this iteration may.
+  if (!ok) backward_pending_ = pending_before_forward_;
+  if (backward_pending_) {
+    phase_ = Phase::FORWARD_DONE;
+  } else {
+    end_iteration();  // inference, or a forward without grad: nothing will come back
+  }
+}
+
+void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_graph) {
+  // libtorch swallows what a RecordFunction callback throws: record it and report it where it
+  // reaches the caller (see the header).
+  if (!failure_.empty()) {
+    units_[u]->handle().poison();
+    return;
+  }
+  try {
+    touched(u, tensor, builds_graph);
+  } catch (const std::exception& e) {
+    fail(e.what(), u);
+  } catch (...) {
+    fail("unknown exception", u);
+  }
+}
+
+void Runtime::on_operator_entered(std::optional<size_t> unit) {
+  ++detection_.operator_calls_in_passes;
+  if (unit) units_[*unit]->count_operator();
+}
+
+void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph) {
+  switch (phase_) {
+    case Phase::FORWARD: {
+      if (u != root_unit_) {
+        // The previous unit's forward is over once another unit (not nested in it) starts.
+        if (current_unit_ && *current_unit_ != u && !units_[*current_unit_]->contains(*units_[u]) &&
+            units_[*current_unit_]->state() == Unit::State::FORWARD) {
+          forward_ends(*current_unit_);
+          if (reshard_after_forward_) reshard(*current_unit_);
+        }
+        if (current_unit_ != u && units_[u]->state() != Unit::State::FORWARD) forward_begins(u);
+        current_unit_ = u;
+      } else if (units_[u]->state() != Unit::State::FORWARD) {
+        forward_begins(u);  // the root, at its first operator of each forward
+      }
+      use(u);
+      // Whether backward will come is autograd's to say: an operator that records a graph node
+      // (grad mode on and an input requiring grad) may save this unit's tensors for backward.
+      if (builds_graph) backward_pending_ = true;
+      if (c10::GradMode::is_enabled()) {
+        touch::pin_for_operator(units_[u]->expect_grad(tensor));
+      } else if (touch::checkpointed_forward()) {
+        // Checkpointed (activation_checkpoint.h): no graph now, but the recomputation will build
+        // one through this parameter. Expect its gradient as a graph would, and keep the node
+        // that will accumulate it alive with the checkpoint, as a graph would.
+        touch::keep_alive_with_checkpoint(units_[u]->expect_grad(tensor));
+      }
+      break;
+    }
+    case Phase::FORWARD_DONE:
+    case Phase::BACKWARD:
+      backward_needs(u);
+      // A checkpointed forward recomputed: the graph it builds accumulates into this parameter.
+      if (touch::recomputing() && c10::GradMode::is_enabled()) touch::pin_for_operator(units_[u]->expect_grad(tensor));
+      break;
+    case Phase::IDLE:
+      // A retained graph backwarded again (the callback stays armed for it): a backward of its own.
+      if (retained_ && torch::autograd::get_current_graph_task_id() != -1) backward_needs(u);
+      break;
+  }
+}
+
+void Runtime::on_backward_started() {
+  const bool again = phase_ == Phase::IDLE && retained_ && torch::autograd::get_current_graph_task_id() != -1;
+  if (phase_ != Phase::FORWARD_DONE && !again) return;
+  phase_ = Phase::BACKWARD;
+  comm_.set_backward_pass(true);
+  std::weak_ptr<Runtime> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto rt = weak.lock()) rt->finish_backward();
+  });
+}
+
+void Runtime::backward_needs(size_t u) {
+  on_backward_started();
+  if (phase_ != Phase::BACKWARD) return;
+  if (units_[u]->state() != Unit::State::IDLE) {
+    use(u);
+    return;
+  }
+  gather(u);
+  if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch_backward(u);
+  use(u);
+  if (units_[u]->state() == Unit::State::IDLE) units_[u]->pre_backward();
+}
+
+void Runtime::prefetch_backward(size_t u) {
+  // The root stays gathered through backward; units whose backward has begun need nothing more.
+  const auto next = order_.next_in_backward(u, options_.prefetch_count, [this](size_t v) {
+    return v == root_unit_ || units_[v]->state() != Unit::State::IDLE;
+  });
+  for (size_t v : next) gather(v);
+}
+
+void Runtime::on_grad_arriving(size_t u) {
+  check_not_failed();  // hooks are where a failure recorded in backward reaches backward()'s caller
+  if (!reduce_fifo_.empty()) {
+    // Free the inputs of reduce-scatters done since the last unit's backward ended.
+    touch::Suppress own_work;
+    advance_reductions();
+  }
+  backward_needs(u);
+  check_not_failed();
+}
+
+void Runtime::on_grad_accumulated(size_t u, size_t param) {
+  check_not_failed();
+  on_backward_started();
+  if (phase_ != Phase::BACKWARD || !units_[u]->grad_accumulated(param)) return;
+  // Every gradient forward made possible for this unit is in: its backward is over.
+  units_[u]->post_backward();
+  if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch_backward(u);
+  reduce(u);
+  reshard(u);
+}
+
+void Runtime::finish_backward() {
+  check_not_failed();
+  touch::Suppress own_work;
+  advance_reductions();
+  memory_.reducing_grads_at_backward_end = memory_.reducing_grads_current;
+  memory_.reductions_in_flight_at_backward_end = 0;
+  for (size_t u : reduce_fifo_) memory_.reductions_in_flight_at_backward_end += units_[u]->reduction().reducing_bytes() > 0;
+  finish_reductions();
+  // Units whose gradients did not all arrive through the hooks (a parameter forward touched whose
+  // gradient never flowed) are reduced here, in unit order, the same on every rank.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u]->reduction().has_unreduced()) reduce(u);
+  }
+  finish_reductions();
+  note_memory();
+  check_sequence();
+  // A graph backwarded with retain_graph may be backwarded again: stay armed for it.
+  end_iteration(torch::autograd::get_current_graph_task_keep_graph());
+}
+
+void Runtime::end_iteration(bool keep_graph) {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    reshard(u);
+    units_[u]->reduction().restore();
+    units_[u]->end_iteration(keep_graph);
+  }
+  backward_pending_ = false;
+  // A graph kept by retain_graph stays backwardable as long as it lives, across other iterations.
+  for (Unit* unit : units_) {
+    for (auto& ref : unit->take_graph_refs()) {
+      if (keep_graph) retained_refs_.push_back(std::move(ref));
+    }
+  }
+  retained_refs_.erase(std::remove_if(retained_refs_.begin(), retained_refs_.end(), [](const auto& r) { return r.expired(); }),
+                       retained_refs_.end());
+  retained_ = !retained_refs_.empty();
+  current_unit_.reset();
+  phase_ = Phase::IDLE;
+  comm_.set_backward_pass(false);
+  if (!retained_) touch::disarm(this);
+}
+
+void Runtime::reset_step() {
+  memory_.unsharded_peak = memory_.unsharded_current;
+  memory_.unsharded_grads_peak = memory_.unsharded_grads_current;
+  memory_.reducing_grads_peak = memory_.reducing_grads_current;
+  overlap_ = OverlapStats{};
+  detection_ = DetectionStats{};
+}
+
+}  // namespace fsdp

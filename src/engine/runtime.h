@@ -1,0 +1,133 @@
+// The iteration (paper §3.2.3, §3.3, §4.3): the state machine that decides, for the whole model,
+// when each unit is gathered, freed and reduced. Per-unit state lives in Unit (unit.h); this file
+// holds only what is about the iteration: the phase, the execution order, prefetch decisions,
+// the rate limiter, the order of reductions and the end-of-backward callback.
+//
+//   IDLE ──forward──▶ FORWARD ──returns──▶ FORWARD_DONE ──first gradient──▶ BACKWARD ──end──▶ IDLE
+//                        ▲                      │ (another forward: two forwards, one backward)
+//                        └──────────────────────┘
+//   IDLE ──a retained graph is backwarded again──▶ BACKWARD
+//
+// What the iteration is follows autograd, not the C++ type of the forward's result: a forward
+// expects a backward when one of its operators recorded an autograd node through a unit, and the
+// forwards since the last backward are abandoned (the next forward starts afresh) once no graph
+// references a parameter any more (their AccumulateGrad nodes are gone). Gradients are moved
+// aside when backward reaches a unit, never at forward.
+//
+// FORWARD: the first operator touching a unit gathers it (waiting for its all-gather only then,
+//   so a prefetched one has had time to arrive); with forward prefetch the units the previous
+//   iteration ran next are issued right away. With reshard-after-forward the unit that ran
+//   before is freed (the root unit stays gathered until after backward).
+// BACKWARD: a unit needed again is gathered; with BACKWARD_PRE the next unit in reverse
+//   post-forward order is issued as this one starts, with BACKWARD_POST as it ends. Once every
+//   parameter of a unit that forward used has its gradient accumulated (post-accumulate-grad
+//   hooks), its reduce-scatter is issued and the unit is freed, while backward goes on. The
+//   end-of-backward callback (Engine::queue_callback) waits for the reductions, reduces what is
+//   left, frees everything and hands the sharded gradients back to the parameters.
+//
+// Collectives are issued in an order that depends only on the model's execution (never on
+// timing), so every rank issues the same sequence on each process group; at the end of every
+// backward the ranks compare a hash of that sequence (one 16-byte all-reduce), so control flow that
+// differs across ranks is an error before the optimizer can apply a wrong update.
+//
+// Failures: operator-touch detection runs inside an operator (the parameter key's fallback, or a
+// RecordFunction callback, whose exceptions libtorch swallows). So a failure there (a collective that timed out, a peer that died) is
+// recorded, the unit is completed harmlessly without communicating (NaN), and the error is thrown
+// where it reaches the caller: at the end of the forward, from the next gradient hook or the
+// end-of-backward callback (which backward() rethrows), and from every later call.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "comm/comm_context.h"
+#include "engine/execution_order.h"
+#include "fsdp/metrics.h"
+#include "fsdp/options.h"
+#include "engine/param_guard.h"
+#include "comm/rate_limiter.h"
+#include "engine/touch_detection.h"
+#include "engine/unit.h"
+
+namespace fsdp {
+
+enum class Phase { IDLE, FORWARD, FORWARD_DONE, BACKWARD };
+
+class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_from_this<Runtime> {
+ public:
+  // `units` outlive the runtime.
+  Runtime(std::vector<Unit*> units, CommContext& comm, const Options& options, bool reshard_after_forward);
+  ~Runtime() override;
+  void install_hooks();  // needs shared_from_this, so called right after construction
+
+  void begin_forward();
+  void end_forward(bool ok);
+  void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph) override;
+  void on_operator_entered(std::optional<size_t> unit) override;
+  void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) override;
+  void set_no_sync(bool on) { no_sync_ = on; }
+  void set_summoned(bool on) { summoned_ = on; }
+  Phase phase() const { return phase_; }
+  // Throws the recorded failure, if any (public API entry points call it first).
+  void check_not_failed() const;
+  // Outside forward and backward (IDLE, or FORWARD_DONE with every graph gone): for calls that
+  // need the parameters at rest. Ends an abandoned iteration first.
+  bool at_rest();
+
+  const MemoryBytes& memory() const { return memory_; }
+  const OverlapStats& overlap() const { return overlap_; }
+  const DetectionStats& detection() const { return detection_; }
+  void reset_step();  // peaks and overlap counters start again
+
+ private:
+  void touched(size_t unit, const c10::TensorImpl* tensor, bool builds_graph);
+  void on_grad_arriving(size_t unit);
+  void on_grad_accumulated(size_t unit, size_t param);
+  void on_backward_started();
+  void finish_backward();
+  void end_iteration(bool keep_graph = false);
+  // Whether a graph still references a parameter that needs a gradient: a backward can come.
+  bool graph_alive() const;
+  void check_parameters_intact() const;
+  void check_sequence();
+  void fail(const std::string& what, size_t unit);
+  // Issue unit's all-gather if it is sharded (through the rate limiter).
+  void gather(size_t unit);
+  // Make unit's parameters usable now: gather if needed and wait.
+  void use(size_t unit);
+  void reshard(size_t unit);
+  void forward_begins(size_t unit);
+  void forward_ends(size_t unit);
+  void backward_needs(size_t unit);
+  void prefetch_backward(size_t unit);
+  void reduce(size_t unit);
+  void advance_reductions();
+  void finish_reductions();
+  void note_memory();
+
+  std::vector<Unit*> units_;
+  std::optional<size_t> root_unit_;
+  CommContext& comm_;
+  Options options_;
+  bool reshard_after_forward_;
+
+  Phase phase_ = Phase::IDLE;
+  bool no_sync_ = false;
+  bool summoned_ = false;               // inside summon_full_params: no forward
+  bool backward_pending_ = false;       // a forward of this iteration built a graph through a unit
+  bool pending_before_forward_ = false;
+  bool retained_ = false;               // a backward kept its graph and it lives: it may be backwarded again
+  std::vector<std::weak_ptr<torch::autograd::Node>> retained_refs_;  // that graph's AccumulateGrad nodes
+  std::optional<size_t> current_unit_;  // the non-root unit that forward is in now
+  std::vector<size_t> reduce_fifo_;     // units with a reduction in flight, in issue order
+  ExecutionOrder order_;
+  RateLimiter limiter_;
+
+  MemoryBytes memory_;
+  OverlapStats overlap_;
+  DetectionStats detection_;
+  std::string failure_;  // the first failure; everything throws it from then on
+};
+
+}  // namespace fsdp

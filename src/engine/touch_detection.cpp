@@ -1,0 +1,236 @@
+#include "engine/touch_detection.h"
+
+#include <algorithm>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include "engine/param_key.h"
+
+namespace fsdp {
+namespace touch {
+namespace {
+
+struct Target {
+  TouchSink* sink;
+  size_t unit;
+};
+
+struct Armed {
+  TouchSink* sink;
+  bool record_function;  // Options::unit_detection == RECORD_FUNCTION
+};
+
+std::shared_mutex g_mutex;  // guards everything below (rarely written)
+std::unordered_map<const c10::StorageImpl*, Target> g_targets;
+std::vector<Armed> g_armed;
+at::CallbackHandle g_handle = 0;
+bool g_callback_enabled = false;
+
+thread_local bool t_in_callback = false;     // our own collectives and copies run operators too
+thread_local bool t_forward_thread = false;
+thread_local CheckpointScope::Kind t_checkpoint = CheckpointScope::NONE;
+thread_local std::vector<std::shared_ptr<void>>* t_keep_alive = nullptr;
+thread_local std::vector<std::shared_ptr<void>>* t_operator_pins = nullptr;
+
+bool requires_grad(const c10::IValue& v) {
+  if (v.isTensor()) return v.toTensor().requires_grad();
+  if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) {
+      if (t.requires_grad()) return true;
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) {
+      if (e.isTensor() && e.toTensor().requires_grad()) return true;
+    }
+  }
+  return false;
+}
+
+// Whether the operator will record an autograd node: grad mode on and an input that requires grad.
+template <typename Args>
+bool builds_graph(const Args& args) {
+  if (!t_forward_thread) return false;
+  // Without grad mode, but the checkpoint's node will recompute this operator in backward.
+  if (t_checkpoint == CheckpointScope::FORWARD) return true;
+  if (!c10::GradMode::is_enabled()) return false;
+  for (const c10::IValue& v : args) {
+    if (requires_grad(v)) return true;
+  }
+  return false;
+}
+
+// Calls `fn(tensor)` for every tensor among an operator's arguments.
+template <typename Args, typename Fn>
+void for_each_tensor(const Args& args, Fn&& fn) {
+  for (const c10::IValue& v : args) {
+    if (v.isTensor()) {
+      fn(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) fn(t);
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor()) fn(e.toTensor());
+      }
+    }
+  }
+}
+
+const Armed* armed(TouchSink* sink) {
+  for (const Armed& a : g_armed) {
+    if (a.sink == sink) return &a;
+  }
+  return nullptr;
+}
+
+// The armed sink of the unit whose storage `t` is, if any, in the given detection mode.
+const Target* target_of(const at::Tensor& t, bool record_function) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  auto it = g_targets.find(t.storage().unsafeGetStorageImpl());
+  if (it == g_targets.end()) return nullptr;
+  const Armed* a = armed(it->second.sink);
+  return a && a->record_function == record_function ? &it->second : nullptr;
+}
+
+// The operator's tensors that are units' storage, told to their sinks; then each sink counts the
+// call once, for the first of its units it touched. Returns the sinks that counted it.
+template <typename Args>
+std::vector<TouchSink*> deliver(const Args& args, bool record_function, bool keyed_only) {
+  bool graph_known = false, graph = false;
+  std::vector<Target> first;  // per sink, the first unit touched (usually one sink)
+  for_each_tensor(args, [&](const at::Tensor& t) {
+    if (keyed_only && !param_key::has_key(t)) return;
+    const Target* target = target_of(t, record_function);
+    if (!target) return;
+    if (!graph_known) {
+      graph = builds_graph(args);
+      graph_known = true;
+    }
+    if (std::none_of(first.begin(), first.end(), [&](const Target& f) { return f.sink == target->sink; })) {
+      first.push_back(*target);
+    }
+    target->sink->on_touch(target->unit, t.unsafeGetTensorImpl(), graph);
+  });
+  std::vector<TouchSink*> counted;
+  for (const Target& f : first) {
+    f.sink->on_operator_entered(f.unit);
+    counted.push_back(f.sink);
+  }
+  return counted;
+}
+
+bool on_pass_thread() {
+  // Only the thread running a root's forward, or a thread running backward. Gloo's worker
+  // threads, for one, also run operators on our buffers and must be left alone.
+  return t_forward_thread || torch::autograd::get_current_graph_task_id() != -1;
+}
+
+// Options::unit_detection == RECORD_FUNCTION: every operator, by its inputs' storage.
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  if (t_in_callback || !on_pass_thread()) return nullptr;
+  Suppress reentry;  // RAII: an exception never leaves the guard set
+  std::shared_lock<std::shared_mutex> lock(g_mutex);
+  const std::vector<TouchSink*> counted = deliver(fn.inputs(), /*record_function=*/true, /*keyed_only=*/false);
+  for (const Armed& a : g_armed) {
+    // Every operator costs this path, whether it touched a unit or not.
+    if (a.record_function && std::find(counted.begin(), counted.end(), a.sink) == counted.end()) {
+      a.sink->on_operator_entered(std::nullopt);
+    }
+  }
+  return nullptr;
+}
+
+void update_callback_locked() {
+  const bool enable = std::any_of(g_armed.begin(), g_armed.end(), [](const Armed& a) { return a.record_function; });
+  if (enable == g_callback_enabled) return;
+  if (g_handle == 0) {
+    g_handle = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_op_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  } else if (enable) {
+    at::reenableCallback(g_handle);
+  } else {
+    at::disableCallback(g_handle);
+  }
+  g_callback_enabled = enable;
+}
+
+}  // namespace
+
+void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  if (t_in_callback || !on_pass_thread()) return;
+  Suppress reentry;
+  std::shared_lock<std::shared_mutex> lock(g_mutex);
+  if (g_armed.empty()) return;
+  const size_t n = op.schema().arguments().size();
+  const c10::ArrayRef<c10::IValue> args(stack.data() + stack.size() - n, n);
+  deliver(args, /*record_function=*/false, /*keyed_only=*/true);
+}
+
+void register_storage(TouchSink* sink, size_t unit, const c10::StorageImpl* storage) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_targets[storage] = Target{sink, unit};
+}
+
+void unregister_sink(TouchSink* sink) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  for (auto it = g_targets.begin(); it != g_targets.end();) {
+    it = it->second.sink == sink ? g_targets.erase(it) : std::next(it);
+  }
+  g_armed.erase(std::remove_if(g_armed.begin(), g_armed.end(), [&](const Armed& a) { return a.sink == sink; }),
+                g_armed.end());
+  update_callback_locked();
+}
+
+void arm(TouchSink* sink, bool record_function) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  if (!armed(sink)) g_armed.push_back(Armed{sink, record_function});
+  update_callback_locked();
+}
+
+void disarm(TouchSink* sink) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_armed.erase(std::remove_if(g_armed.begin(), g_armed.end(), [&](const Armed& a) { return a.sink == sink; }),
+                g_armed.end());
+  update_callback_locked();
+}
+
+Suppress::Suppress() : previous_(t_in_callback) { t_in_callback = true; }
+Suppress::~Suppress() { t_in_callback = previous_; }
+bool suppressed() { return t_in_callback; }
+
+void set_forward_thread(bool on) { t_forward_thread = on; }
+
+CheckpointScope::CheckpointScope(Kind kind, std::vector<std::shared_ptr<void>>* keep_alive)
+    : previous_kind_(t_checkpoint), previous_keep_(t_keep_alive) {
+  t_checkpoint = kind;
+  t_keep_alive = keep_alive;
+}
+
+CheckpointScope::~CheckpointScope() {
+  t_checkpoint = previous_kind_;
+  t_keep_alive = previous_keep_;
+}
+
+bool checkpointed_forward() { return t_checkpoint == CheckpointScope::FORWARD; }
+bool recomputing() { return t_checkpoint == CheckpointScope::RECOMPUTE; }
+
+void keep_alive_with_checkpoint(std::shared_ptr<void> node) {
+  if (node && t_checkpoint == CheckpointScope::FORWARD && t_keep_alive) t_keep_alive->push_back(std::move(node));
+}
+
+OperatorPins::OperatorPins() : previous_(t_operator_pins) { t_operator_pins = &pins_; }
+OperatorPins::~OperatorPins() { t_operator_pins = previous_; }
+
+void pin_for_operator(std::shared_ptr<void> node) {
+  if (node && t_operator_pins) t_operator_pins->push_back(std::move(node));
+}
+
+bool in_root_pass() { return t_forward_thread || t_in_callback || torch::autograd::get_current_graph_task_id() != -1; }
+
+}  // namespace touch
+}  // namespace fsdp

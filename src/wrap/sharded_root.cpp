@@ -1,0 +1,226 @@
+#include "wrap/sharded_root.h"
+
+#include <set>
+#include <stdexcept>
+
+#include <c10/core/GradMode.h>
+
+#include "observe/chrome_trace.h"
+#include "init/deferred_init_internal.h"
+#include "memory/device.h"
+#include "fsdp/plan.h"
+#include "fsdp/process_memory.h"
+#include "fsdp/deferred_init.h"
+#include "engine/grad_norm.h"
+#include "comm/mesh_info.h"
+#include "comm/mesh_state.h"
+#include "engine/model_fingerprint.h"
+#include "engine/unit_decomposition.h"
+
+namespace fsdp::detail {
+
+ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Mesh> mesh, Options options)
+    : module_(std::move(module)), mesh_(std::move(mesh)), options_(std::move(options)) {
+  TORCH_CHECK(module_ && mesh_, "fsdp: FullyShardedDataParallel needs a module and a mesh");
+  install_host_allocator();  // live tensor bytes counted, large blocks reused (process_memory.h)
+  TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
+  const int F = sharding_factor(options_, mesh_->world_size(), mesh_->env().local_world_size);
+  ignored_ = ignored_tensors(*module_, options_);
+  std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy, ignored_);
+
+  // Every rank must cut the same model the same way: compared before the first collective on
+  // parameters.
+  const std::string desc = describe_model(*module_, plans, options_, F, ignored_);
+  MeshState::of(*mesh_).check_same_on_all_ranks("the model structure (parameter names, shapes, dtypes) or the FSDP options",
+                                                fingerprint(desc), desc);
+
+  // Where the shards will live: the parameters' device, the CPU for a deferred (meta) model, or
+  // init_device. Its type picks the backend: Gloo for CPU, NCCL for CUDA.
+  const bool deferred = !plans.empty() && !plans[0].params.empty() && plans[0].params[0].is_meta();
+  device_ = plans.empty() || plans[0].params.empty() || deferred ? c10::Device(c10::kCPU) : plans[0].params[0].device();
+  if (options_.init_device) device_ = *options_.init_device;
+  check_memory_budget(*module_, *mesh_, options_, device_);
+  if (deferred) {
+    if (options_.sync_module_states) {
+      throw std::invalid_argument("fsdp: sync_module_states with a deferred_init model: there is nothing to broadcast "
+                                  "yet, and replaying the recorded initialization gives every rank the same values "
+                                  "when every rank built the model with the same seed; drop sync_module_states");
+    }
+    materialize_buffers();
+    materialize_ignored();
+  }
+  comm_ = std::make_unique<CommContext>(device_, make_mesh_info(*mesh_, options_, device_.type()));
+  if (options_.sync_module_states) broadcast_module_states();
+  if (const auto& mp = options_.mixed_precision) {
+    // Buffers are not sharded: cast them once, here, instead of at every forward.
+    at::NoGradGuard no_grad;
+    for (auto& b : module_->buffers(true)) {
+      if (b.defined() && at::isFloatingType(b.scalar_type())) b.set_data(b.to(mp->buffer_dtype));
+    }
+  }
+  std::vector<std::string> names;
+  std::vector<Unit*> units;
+  for (size_t u = 0; u < plans.size(); ++u) {
+    names.push_back(plans[u].name);
+    units_.push_back(std::make_unique<Unit>(static_cast<int>(u), std::move(plans[u]), *comm_,
+                                            options_.mixed_precision, options_.init_device));
+    units.push_back(units_.back().get());
+  }
+  comm_->set_unit_names(std::move(names));
+  runtime_ = std::make_shared<Runtime>(std::move(units), *comm_, options_, reshards_after_forward(options_.strategy));
+  runtime_->install_hooks();
+  // A model built whole has just been freed, but for its shards: give that memory back.
+  if (device_.is_cpu()) release_free_memory();
+}
+
+void ShardedRoot::materialize_buffers() {
+  // Buffers are not sharded: each is materialized whole, on the target device.
+  for (auto& b : module_->buffers(true)) {
+    if (!b.defined() || !is_deferred(b)) continue;
+    at::Tensor value = at::empty(b.sizes(), b.options().device(c10::kCPU));
+    materialize_into(b, value);
+    at::Tensor target = value.to(device_);
+    adopt(b, target);
+  }
+}
+
+void ShardedRoot::materialize_ignored() {
+  // The caller's parameters: whole, on every rank, on the target device, like buffers.
+  for (auto& p : module_->parameters(true)) {
+    if (!ignored_.count(p.unsafeGetTensorImpl()) || !is_deferred(p)) continue;
+    at::Tensor value = at::empty(p.sizes(), p.options().device(c10::kCPU));
+    materialize_into(p, value);
+    at::Tensor target = value.to(device_);
+    adopt(p, target);
+  }
+}
+
+void ShardedRoot::broadcast_module_states() {
+  // Rank 0's values win; parameters and buffers in registration order, which the fingerprint
+  // has already shown to be the same on every rank. One group of all W ranks.
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> tensors;
+  std::set<const c10::TensorImpl*> seen;  // a tied weight once
+  // Ignored parameters, and the buffers of ignored modules, are the caller's (each rank may hold
+  // its own rows of a table): left as they are.
+  std::set<const c10::TensorImpl*> ignored_buffers;
+  for (const auto& m : options_.ignored_modules) {
+    for (const auto& b : m->buffers(true)) ignored_buffers.insert(b.unsafeGetTensorImpl());
+  }
+  for (const auto& p : module_->parameters(true)) {
+    if (ignored_.count(p.unsafeGetTensorImpl())) continue;
+    if (seen.insert(p.unsafeGetTensorImpl()).second) tensors.push_back(p.detach());
+  }
+  for (const auto& b : module_->buffers(true)) {
+    if (b.defined() && !ignored_buffers.count(b.unsafeGetTensorImpl())) tensors.push_back(b.detach());
+  }
+  if (tensors.empty() || mesh_->world_size() == 1) return;
+  // On the tensors' own device (they have not moved to init_device yet).
+  const GroupPtr& group = MeshState::of(*mesh_).groups_for(mesh_->world_size(), tensors[0].device().type()).shard;
+  for (auto& t : tensors) {
+    std::vector<at::Tensor> one{t};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = 0;
+    wait_for(group->broadcast(one, opts), "broadcast of rank 0's parameters and buffers (sync_module_states)");
+  }
+}
+
+Metrics ShardedRoot::metrics() const {
+  Metrics m;
+  m.step = step_;
+  m.comm = comm_->bytes();
+  m.memory = runtime_->memory();
+  m.overlap = runtime_->overlap();
+  m.detection = runtime_->detection();
+  m.device = device_memory_stats(device_);
+  m.device.num_alloc_retries -= alloc_retries_at_reset_;
+  m.memory.sharded_grads = 0;
+  for (const auto& u : units_) m.memory.sharded_grads += u->reduction().sharded_grad_bytes();
+  return m;
+}
+
+void ShardedRoot::reset_step() {
+  comm_->bytes() = CommBytes{};
+  runtime_->reset_step();
+  comm_->timeline().clear();
+  reset_device_peaks(device_);
+  alloc_retries_at_reset_ = device_memory_stats(device_).num_alloc_retries;
+  ++step_;
+}
+
+double ShardedRoot::clip_grad_norm(double max_norm) {
+  runtime_->check_not_failed();
+  TORCH_CHECK(runtime_->at_rest(), "fsdp: clip_grad_norm_ must be called after backward, before the optimizer step, "
+                                   "not between a forward and its backward");
+  std::vector<const Unit*> units;
+  for (const auto& u : units_) units.push_back(u.get());
+  return fsdp::clip_grad_norm(units, *comm_, max_norm);
+}
+
+void ShardedRoot::summon(bool rank0_only, bool writeback) {
+  runtime_->check_not_failed();
+  TORCH_CHECK(!summoned_, "fsdp: summon_full_params is already active for this model; end the first scope first");
+  TORCH_CHECK(!(rank0_only && writeback), "fsdp: summon_full_params(rank0_only, writeback) cannot write back: only "
+                                          "rank 0 holds the whole parameters. Pass writeback = false.");
+  TORCH_CHECK(runtime_->at_rest(), "fsdp: summon_full_params must be called outside forward and backward, not "
+                                   "between a forward and its backward");
+  const bool keep = !rank0_only || mesh_->rank() == 0;
+  for (auto& u : units_) u->handle().summon(keep);
+  summoned_ = true;
+  runtime_->set_summoned(true);
+}
+
+void ShardedRoot::check_checkpointable(const char* what) {
+  runtime_->check_not_failed();
+  if (has_ignored()) {
+    throw std::invalid_argument(std::string("fsdp: ") + what + ": the model has parameters fsdp ignores "
+                                "(Options::ignored_modules / ignored_parameters); fsdp's checkpoints hold only what it "
+                                "shards, so a checkpoint of this model would silently lose them: refused. Not yet "
+                                "supported; for now save this model's state with your own code (each rank its own "
+                                "rows of an ignored table).");
+  }
+  TORCH_CHECK(!summoned_, "fsdp: ", what, " cannot run inside a summon_full_params scope; end it first");
+  TORCH_CHECK(runtime_->at_rest(), "fsdp: ", what, " must be called outside forward and backward, not between a "
+                                   "forward and its backward");
+}
+
+void ShardedRoot::end_summon(bool writeback) {
+  for (auto& u : units_) u->handle().end_summon(writeback);
+  summoned_ = false;
+  runtime_->set_summoned(false);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedRoot::unique_named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : module_->named_parameters(true)) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+std::vector<UnitInfo> ShardedRoot::units() const {
+  std::vector<UnitInfo> out;
+  for (const auto& u : units_) {
+    const FlatParamHandle& h = u->handle();
+    UnitInfo info;
+    info.name = u->name();
+    info.fqns.reserve(h.layout().entries().size());
+    for (const auto& e : h.layout().entries()) info.fqns.push_back(e.fqn);
+    info.numel = h.layout().numel();
+    info.padded_numel = h.layout().padded_numel();
+    info.shard_numel = h.layout().shard_numel();
+    info.element_size = static_cast<int64_t>(c10::elementSize(h.dtypes().master));
+    info.is_root = u->is_root();
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+void ShardedRoot::write_trace(const std::string& path) const {
+  std::vector<std::string> names;
+  for (const auto& u : units_) names.push_back(u->name());
+  write_chrome_trace(path, comm_->timeline().spans(), names, mesh_->rank());
+}
+
+}  // namespace fsdp::detail

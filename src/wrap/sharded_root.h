@@ -1,0 +1,76 @@
+// What stands behind a FullyShardedDataParallel (include/fsdp/fsdp.h): builds the units of one
+// wrapped model (decomposition, the cross-rank structure check, the device and process groups,
+// materializing deferred models, casting buffers), owns them with their communication context
+// and runtime, and answers the public API (metrics, clipping, units, traces).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "comm/comm_context.h"
+#include "fsdp/fsdp.h"
+#include "engine/runtime.h"
+#include "engine/unit.h"
+#include "engine/unit_decomposition.h"
+
+namespace fsdp::detail {
+
+class ShardedRoot {
+ public:
+  ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Mesh> mesh, Options options);
+  ShardedRoot(const ShardedRoot&) = delete;
+  ShardedRoot& operator=(const ShardedRoot&) = delete;
+
+  Runtime& runtime() { return *runtime_; }
+  const Options& options() const { return options_; }
+  int shard_size() const { return comm_->mesh().shard_size; }
+
+  Metrics metrics() const;
+  void reset_step();
+  double clip_grad_norm(double max_norm);
+  void summon(bool rank0_only, bool writeback);
+  void end_summon(bool writeback);
+  std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;
+  std::vector<UnitInfo> units() const;
+  std::vector<Span> timeline() const { return comm_->timeline().spans(); }
+  void write_trace(const std::string& path) const;
+
+  // For checkpoints: the units, their communication, the module and the mesh.
+  const std::vector<std::unique_ptr<Unit>>& unit_list() const { return units_; }
+  CommContext& comm() { return *comm_; }
+  torch::nn::Module& module() { return *module_; }
+  Mesh& mesh() { return *mesh_; }
+  // Throws, naming `what`, unless the model can be saved or loaded now: every unit at rest
+  // (outside forward and backward, no summon scope) and no ignored parameters (Options::
+  // ignored_modules: checkpoints hold only what fsdp shards, and would silently lose them).
+  void check_checkpointable(const char* what);
+  // Parameters in no unit (Options::ignored_modules / ignored_parameters).
+  bool has_ignored() const { return !ignored_.empty(); }
+
+ private:
+  void materialize_buffers();
+  void materialize_ignored();
+  void broadcast_module_states();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<Mesh> mesh_;
+  Options options_;
+  IgnoredSet ignored_;
+  c10::Device device_{c10::kCPU};
+  std::unique_ptr<CommContext> comm_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::shared_ptr<Runtime> runtime_;
+  bool summoned_ = false;
+  int64_t alloc_retries_at_reset_ = 0;
+  int64_t step_ = 0;
+};
+
+// The library's access to a wrapped model's root (the public class keeps it private).
+struct RootAccess {
+  static ShardedRoot& of(FullyShardedDataParallelBase& model) { return *model.root_; }
+};
+
+}  // namespace fsdp::detail
