@@ -1,12 +1,16 @@
 // Equal to local training under every loop a user writes (issue: loop-shape independence), and
 // clear errors where a loop leaves the supported path.
 //
-// The loop fuzzer (tests/worker/fuzz.cpp) draws sequences of zero_grad / forward / eval forwards /
-// forwards never backwarded / backward / retain_graph / no_sync / clip / step calls on models whose
-// forward returns one of seven C++ types, and compares losses, gradients and parameters with local
-// training (fp32) or the replayed casts of mixed precision (bf16) after every call. Here: fixed
-// seeds for every strategy (224 sequences), then named sequences for each loop the issue lists.
-// scripts/fuzz runs it over more seeds.
+// The loop fuzzer (tests/worker/fuzz.cpp) draws sequences of zero_grad / forward (one or two
+// losses, NoGradGuard, InferenceMode, never backwarded, throwing) / backward (of the sum, with
+// retain_graph, of each loss apart, with a hook that throws) / no_sync / clip / step (refused after
+// no_sync) / autograd::grad of the parameters (refused) / freezing and unfreezing / unshard()
+// calls, on models whose forward returns one of seven C++ types, with SGD, Adam or AdamW, an
+// embedding that writes its weight in forward, a frozen block and a nested wrapped teacher, and
+// compares losses, gradients and parameters with local training (fp32) or the replayed casts of
+// mixed precision (bf16, also held against the same loop in fp32) after every call. Here: fixed
+// seeds for every strategy and both ways of knowing when a unit runs (360 sequences), then named
+// sequences for each loop the issues list. scripts/fuzz runs it over more seeds.
 #include <gtest/gtest.h>
 
 #include "dist_test_util.h"
@@ -20,14 +24,19 @@ struct Config {
   int world;
   int shard_size;
   std::string precision;
+  std::string extra = "";  // record_function detection, forward prefetch
+  int seeds = 20;
 };
 std::string name_of(const Config& c) {
+  std::string extra;
+  if (c.extra.find("record_function") != std::string::npos) extra += "_record_function";
+  if (c.extra.find("forward-prefetch") != std::string::npos) extra += "_forward_prefetch";
   return c.strategy + "_W" + std::to_string(c.world) + (c.shard_size ? "_F" + std::to_string(c.shard_size) : "") +
-         "_" + c.precision;
+         "_" + c.precision + extra;
 }
 std::string flags_of(const Config& c) {
   return "--strategy " + c.strategy + (c.shard_size ? " --shard-size " + std::to_string(c.shard_size) : "") +
-         " --mixed-precision " + c.precision;
+         " --mixed-precision " + c.precision + (c.extra.empty() ? "" : " " + c.extra);
 }
 
 // Every rank's failures (each with its seed, its sequence and the first difference).
@@ -45,7 +54,7 @@ class Fuzz : public testing::TestWithParam<Config> {};
 
 TEST_P(Fuzz, FixedSeedsMatchTheReference) {
   const auto& c = GetParam();
-  const auto r = fsdp_test::run_ranks("fuzz", c.world, flags_of(c) + " --seeds 0:14");
+  const auto r = fsdp_test::run_ranks("fuzz", c.world, flags_of(c) + " --seeds 0:" + std::to_string(c.seeds));
   expect_no_failures(r, name_of(c));
 }
 
@@ -55,7 +64,11 @@ const Config kConfigs[] = {
     {"hybrid_shard", 4, 2, "none"},      {"hybrid_shard", 4, 2, "bf16"},      {"hybrid_shard_zero2", 4, 2, "none"},
     {"hybrid_shard_zero2", 4, 2, "bf16"}, {"full_shard", 2, 0, "bf16"},       {"full_shard", 3, 0, "none"},
     {"shard_grad_op", 2, 0, "none"},     {"shard_grad_op", 3, 0, "bf16"},     {"no_shard", 2, 0, "bf16"},
-    {"no_shard", 3, 0, "none"}};
+    {"no_shard", 3, 0, "none"},
+    {"full_shard", 2, 0, "none", "--unit-detection record_function", 10},
+    {"hybrid_shard", 4, 2, "bf16", "--unit-detection record_function", 10},
+    {"full_shard", 3, 0, "none", "--forward-prefetch 1", 10},
+    {"shard_grad_op", 2, 0, "bf16", "--forward-prefetch 1", 10}};
 INSTANTIATE_TEST_SUITE_P(Strategies, Fuzz, testing::ValuesIn(kConfigs),
                          [](const testing::TestParamInfo<Config>& i) { return name_of(i.param); });
 
@@ -77,6 +90,16 @@ TEST(Loops, TwoForwardsThenOneBackward) { run_sequence("Z,F,F,B,S,Z,F,G,F,B,S");
 TEST(Loops, BackwardTwiceWithRetainGraph) { run_sequence("Z,F,R,B,S,Z,F,R,E,B,S"); }
 TEST(Loops, NoSyncMicroBatchesThenSynchronized) { run_sequence("Z,N,N,F,B,C,S"); }
 TEST(Loops, ZeroGradAfterNoSyncDiscardsIt) { run_sequence("Z,F,B,N,Z,F,B,S,N,Z0,F,B,S"); }
+// Issue 24's loops, named: two losses of one forward backwarded apart, two forwards backwarded
+// apart, InferenceMode, exceptions in forward and backward, unfreezing, clip after no_sync
+// (refused), autograd::grad of the parameters (refused), an unshard() step.
+TEST(Loops, LossesBackwardedApart) { run_sequence("Z,A,P,S,Z,F,F,P,S,Z,A,F,P,S"); }
+TEST(Loops, InferenceModeForwardsBetweenSteps) { run_sequence("Z,F,B,S,I,I,Z,F,I,B,S"); }
+TEST(Loops, TrainingContinuesAfterExceptions) { run_sequence("Z,F,B,S,X,Z,F,Y,Z,F,B,S,X,F,B,S"); }
+TEST(Loops, UnfreezingAndFreezing) { run_sequence("Z,F,B,S,T,Z,F,B,S,T,Z,F,B,S"); }
+TEST(Loops, ClipAfterNoSyncIsRefusedThenTheSynchronizedLoopIsExact) { run_sequence("Z,N,C,N,F,B,C,S"); }
+TEST(Loops, GradOfParametersIsRefusedAndTrainingGoesOn) { run_sequence("Z,F,Q,Z,F,B,S"); }
+TEST(Loops, UnshardScopeStep) { run_sequence("Z,U,S,Z,U,C,S"); }
 
 // Every output type the forward may return (std::pair, a struct, std::map, torch::Dict, IValue,
 // nested containers), through a whole training loop.

@@ -476,9 +476,11 @@ int train(const Config& c) {
   }
   if (checkpointer) checkpointer->wait();
   const bool trained = summary.steps() > 0;
-  if (!export_full.empty() && trained) {
+  // An explicit --export-full writes whatever the model holds (weights loaded, steps 0); the run
+  // folder keeps a model only when this run trained it.
+  if (!export_full.empty() && (trained || !c.export_full.empty())) {
     fsdp::export_full(export_full, *wrapped);
-    if (prints && !run) std::cout << "fsdp-train: wrote the whole model to " << export_full << std::endl;
+    if (prints && (!run || !trained)) std::cout << "fsdp-train: wrote the whole model to " << export_full << std::endl;
   }
   if (simulated) return 0;  // a simulated rank's losses are not trained results: nothing to sum up
 

@@ -91,6 +91,30 @@ class FullyShardedDataParallelBase {
   };
   FullParams summon_full_params(SummonOptions options = {});
 
+  // Units kept gathered, as PyTorch FSDP2's unshard(): while the returned object lives, the
+  // parameters of every unit (or of the units named by their module path, "" the root unit) hold
+  // their whole values in the compute dtype, through forward and backward. For code that reads
+  // parameter storage itself (data_ptr() in a hand-written kernel or a custom autograd Function),
+  // which neither way of knowing when a unit runs can see: it would read this rank's 1-D shard, or
+  // freed memory. A collective: every rank calls it at the same point, outside backward. Gradients
+  // are reduced as usual and reach the parameters when the scope ends: end it before clipping and
+  // the optimizer step (a step inside it is refused). Costs the memory of the units it holds.
+  class Unsharded {
+   public:
+    ~Unsharded();
+    Unsharded(Unsharded&& other) noexcept;
+    Unsharded(const Unsharded&) = delete;
+    Unsharded& operator=(const Unsharded&) = delete;
+    Unsharded& operator=(Unsharded&&) = delete;
+
+   private:
+    friend class FullyShardedDataParallelBase;
+    Unsharded(detail::ShardedRoot* root, std::vector<size_t> units);
+    detail::ShardedRoot* root_;
+    std::vector<size_t> units_;
+  };
+  Unsharded unshard(const std::vector<std::string>& unit_names = {});
+
   // The model's parameters, each once, in named_parameters() order under its first name. Build
   // optimizers from these: libtorch's own parameters() lists a tied weight under every name it is
   // registered under, and an optimizer given that list steps it twice per step.

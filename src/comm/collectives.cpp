@@ -57,6 +57,16 @@ WorkPtr sequence_check_max(const GroupPtr& group, at::Tensor t, CommBytes& stats
   return group->allreduce(tensors, opts);
 }
 
+WorkPtr all_reduce_max(const GroupPtr& group, at::Tensor t, CommBytes& stats) {
+  const int64_t g = group->getSize();
+  stats.all_reduce += 2 * bytes_of(t) * (g - 1) / g;
+  stats.all_reduce_calls += 1;
+  std::vector<at::Tensor> tensors{std::move(t)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  return group->allreduce(tensors, opts);
+}
+
 void wait_for(const WorkPtr& work, const char* what) {
   try {
     work->wait();

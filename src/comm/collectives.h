@@ -21,6 +21,8 @@ WorkPtr reduce_scatter_sum(const GroupPtr& group, at::Tensor out, at::Tensor in,
 WorkPtr all_reduce_sum(const GroupPtr& group, at::Tensor t, CommBytes& stats);
 // t <- element-wise max over ranks of t, in place; counted as the sequence check's bytes.
 WorkPtr sequence_check_max(const GroupPtr& group, at::Tensor t, CommBytes& stats);
+// t <- element-wise max over ranks of t, in place; counted as an all-reduce.
+WorkPtr all_reduce_max(const GroupPtr& group, at::Tensor t, CommBytes& stats);
 
 // Waits and turns a backend failure (a peer that died, a timeout) into an error that names the
 // collective, instead of the backend's bare message.

@@ -11,6 +11,7 @@ SpanKind span_kind(CommKind kind) {
     case CommKind::REDUCE_SCATTER: return SpanKind::REDUCE_SCATTER;
     case CommKind::ALL_REDUCE: return SpanKind::ALL_REDUCE;
     case CommKind::SEQUENCE_CHECK: return SpanKind::SEQUENCE_CHECK;
+    case CommKind::WRITE_MERGE: return SpanKind::ALL_REDUCE;
   }
   return SpanKind::ALL_REDUCE;
 }
@@ -58,6 +59,7 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
     case CommKind::REDUCE_SCATTER: f.work = reduce_scatter_sum(group, b.out, b.in, bytes_); break;
     case CommKind::ALL_REDUCE: f.work = all_reduce_sum(group, b.out, bytes_); break;
     case CommKind::SEQUENCE_CHECK: f.work = sequence_check_max(group, b.out, bytes_); break;
+    case CommKind::WRITE_MERGE: f.work = all_reduce_max(group, b.out, bytes_); break;
   }
   if (kind != CommKind::SEQUENCE_CHECK) {
     for (int64_t v : {static_cast<int64_t>(kind), static_cast<int64_t>(over), static_cast<int64_t>(unit), b.out.numel(),

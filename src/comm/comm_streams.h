@@ -25,7 +25,9 @@
 
 namespace fsdp {
 
-enum class CommKind { ALL_GATHER = 0, REDUCE_SCATTER = 1, ALL_REDUCE = 2, SEQUENCE_CHECK = 3 };
+// WRITE_MERGE: the element-wise max over every rank that merges what a forward wrote into a
+// unit's parameters (Runtime::merge_forward_writes); over the world group, on CPU tensors.
+enum class CommKind { ALL_GATHER = 0, REDUCE_SCATTER = 1, ALL_REDUCE = 2, SEQUENCE_CHECK = 3, WRITE_MERGE = 4 };
 
 class CommStreams {
  public:

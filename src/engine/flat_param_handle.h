@@ -54,6 +54,9 @@ class FlatParamHandle {
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<ShardSlice>& slices() const { return slices_; }  // this rank's slice of each
   const at::Tensor& shard() const { return shard_; }                // [shard_numel], master dtype
+  // [padded_numel] in the compute dtype: the gathered parameters (0 bytes while SHARDED); with
+  // F = 1 and no cast, the shard itself.
+  const at::Tensor& unsharded() const { return full_; }
   const UnitDtypes& dtypes() const { return dtypes_; }
   HandleState state() const { return state_; }
 

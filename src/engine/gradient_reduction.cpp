@@ -3,6 +3,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/strides.h>
 
+#include "engine/param_key.h"
+
 namespace fsdp {
 namespace {
 // A tensor sharing `flat`'s storage at `offset` with `sizes`, made with set_ rather than a view
@@ -29,6 +31,23 @@ void GradientReduction::stash() {
   stashed_ = true;
 }
 
+std::vector<const c10::StorageImpl*> GradientReduction::unreduced_storages() const {
+  std::vector<const c10::StorageImpl*> out;
+  if (form_ != Form::UNSHARDED) return out;
+  for (const auto& p : handle_.params()) {
+    if (p.grad().defined() && p.grad().has_storage()) out.push_back(p.grad().storage().unsafeGetStorageImpl());
+  }
+  return out;
+}
+
+bool GradientReduction::holds_unreduced_no_sync() const {
+  if (form_ != Form::UNSHARDED) return false;
+  for (const auto& p : handle_.params()) {
+    if (p.grad().defined()) return true;
+  }
+  return false;
+}
+
 bool GradientReduction::has_unreduced() const {
   if (form_ == Form::SHARDED && !stashed_) return false;  // what they hold is reduced already
   for (const auto& p : handle_.params()) {
@@ -53,7 +72,9 @@ void GradientReduction::keep_unsharded() {
       g.view(-1).narrow(0, s.param_begin, s.length).add_(mine.to(dt.master), F);
       grads_[i] = at::Tensor();
     }
-    if (g.defined()) at::Tensor(params[i]).mutable_grad() = g;
+    // Keyed (param_key.h), so that an optimizer step or a clip reading this rank's unreduced sum
+    // outside backward reaches the guard, which refuses it (Runtime::on_unreduced_grad_op).
+    if (g.defined()) at::Tensor(params[i]).mutable_grad() = param_key::keyed(g.contiguous());
   }
   form_ = Form::UNSHARDED;
   stashed_ = false;

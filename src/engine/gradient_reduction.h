@@ -57,6 +57,10 @@ class GradientReduction {
   void stash();
   // Whether the parameters hold gradients that a synchronized reduction has still to reduce.
   bool has_unreduced() const;
+  // Whether they hold no_sync gradients (UNSHARDED, some defined): this rank's own sums, which an
+  // optimizer step or a clip must not use; and their storages (keyed, for the guard).
+  bool holds_unreduced_no_sync() const;
+  std::vector<const c10::StorageImpl*> unreduced_storages() const;
   void begin(bool no_sync);
   // Polls without blocking; true while a reduce-scatter still has to finish before its all-reduce
   // can be issued (later units must then wait their turn, to keep the all-reduces in order).

@@ -14,6 +14,7 @@ namespace {
 struct Entry {
   Sink* sink;
   size_t unit;
+  bool grad = false;  // an unreduced gradient, not a parameter
 };
 std::shared_mutex g_mutex;
 std::unordered_map<const c10::StorageImpl*, Entry> g_storages;
@@ -40,12 +41,28 @@ void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
       writes = alias != nullptr && alias->isWrite();
     }
   }
-  if (hit) hit->sink->on_guarded_op(op, hit->unit, tensor, writes);
+  if (!hit) return;
+  if (hit->grad) {
+    hit->sink->on_unreduced_grad_op(op, hit->unit, writes);
+  } else {
+    hit->sink->on_guarded_op(op, hit->unit, tensor, writes);
+  }
 }
 
 void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage) {
   std::unique_lock<std::shared_mutex> lock(g_mutex);
   g_storages[storage] = Entry{sink, unit};
+}
+
+void register_grad_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_storages[storage] = Entry{sink, unit, true};
+}
+
+void unregister_grad_storage(const c10::StorageImpl* storage) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  auto it = g_storages.find(storage);
+  if (it != g_storages.end() && it->second.grad) g_storages.erase(it);
 }
 
 void unregister_sink(Sink* sink) {

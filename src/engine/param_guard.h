@@ -30,6 +30,10 @@ struct Sink {
   // throw, which the operator's caller receives. Called for every unit's parameters; the sink
   // returns at once for a unit that is not guarded now (F = 1 at rest: its parameters are whole).
   virtual void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) = 0;
+  // An operator outside the root's passes on a gradient registered with register_grad_storage
+  // (unit `unit`'s unreduced no_sync gradients): reading it means stepping or clipping with this
+  // rank's unreduced sum. May throw.
+  virtual void on_unreduced_grad_op(const c10::OperatorHandle& op, size_t unit, bool writes) = 0;
 };
 
 // An operator with a keyed argument (param_key.h), outside the root's passes: tells the sink of
@@ -39,6 +43,10 @@ void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 // Guarded tensors are recognised by their storage: a unit's shard or its unsharded buffer.
 void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage);
 void unregister_sink(Sink* sink);
+// A keyed gradient (param_key::keyed) that holds unit `unit`'s unreduced no_sync sum, until
+// unregistered (the synchronized reduction took it, or zero_grad dropped it).
+void register_grad_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage);
+void unregister_grad_storage(const c10::StorageImpl* storage);
 
 // Operators that consume a parameter's shape as a module's forward does (linear, matmul,
 // convolutions, embeddings, normalizations): meaningless on a 1-D shard.

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -20,6 +21,19 @@ struct GradReadyHook : torch::autograd::PostAccumulateGradHook {
   std::function<void()> fn_;
 };
 
+// Owned by the end-of-backward callback queued on a graph task. Autograd runs the callback when
+// the backward completes; when the backward throws it never does, and drops the callback with the
+// graph task, before the exception reaches backward()'s caller: then this ends that backward.
+struct BackwardEnd {
+  explicit BackwardEnd(std::weak_ptr<Runtime> rt) : runtime(std::move(rt)) {}
+  ~BackwardEnd() {
+    if (reached) return;
+    if (auto rt = runtime.lock()) rt->abort_backward();
+  }
+  std::weak_ptr<Runtime> runtime;
+  bool reached = false;
+};
+
 }  // namespace
 
 Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& options, bool reshard_after_forward)
@@ -30,6 +44,14 @@ Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& opt
       // On CUDA an all-gather stays in flight until the device has freed its buffer.
       limiter_(options.limit_all_gathers, /*device_frees=*/comm.streams().active()) {
   TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
+  hooked_.resize(units_.size());
+  write_snapshots_.resize(units_.size());
+  guarded_grads_.resize(units_.size());
+  {
+    at::AutoGradMode on(true);
+    drain_leaf_ = at::ones({1}).requires_grad_();
+    drain_out_ = drain_leaf_ * 2;  // its node is numbered before any forward's
+  }
   for (size_t u = 0; u < units_.size(); ++u) {
     touch::register_storage(this, u, units_[u]->handle().shard_storage());
     if (units_[u]->handle().has_unsharded_buffer()) touch::register_storage(this, u, units_[u]->handle().unsharded_storage());
@@ -45,11 +67,16 @@ Runtime::~Runtime() {
   guard::unregister_sink(this);
 }
 
-void Runtime::install_hooks() {
+void Runtime::install_hooks() { install_missing_hooks(); }
+
+void Runtime::install_missing_hooks() {
   for (size_t u = 0; u < units_.size(); ++u) {
     const auto& params = units_[u]->handle().params();
+    hooked_[u].resize(params.size(), false);
     for (size_t i = 0; i < params.size(); ++i) {
-      if (!params[i].requires_grad()) continue;
+      // A tensor that does not require grad takes no hooks; one unfrozen later gets them here.
+      if (hooked_[u][i] || !params[i].requires_grad()) continue;
+      hooked_[u][i] = true;
       // Runs just before AccumulateGrad: the parameter must have its unsharded shape then, even
       // when no backward operator read it (the first layer's weight when the input needs no grad).
       std::weak_ptr<Runtime> weak = weak_from_this();
@@ -96,6 +123,8 @@ void Runtime::use(size_t u) {
 
 void Runtime::reshard(size_t u) {
   FlatParamHandle& handle = units_[u]->handle();
+  if (pinned(u)) return;  // an unshard() scope holds it gathered
+  if (write_snapshots_[u].defined()) merge_forward_writes(u);  // before its gathered copy goes
   if (handle.state() == HandleState::SHARDED) return;
   touch::Suppress own_work;
   if (handle.state() == HandleState::GATHERING) {
@@ -111,6 +140,10 @@ void Runtime::begin_forward() {
   check_not_failed();
   TORCH_CHECK(!summoned_, "fsdp: forward inside summon_full_params: the parameters are whole for inspection there; "
                           "end the summon_full_params scope before calling forward");
+  // A backward that is not running on this thread (none is: we are outside autograd) yet left the
+  // phase at BACKWARD ended without its callback, and BackwardEnd did not see it go: finish it.
+  if (phase_ == Phase::BACKWARD && torch::autograd::get_current_graph_task_id() == -1) abort_backward();
+  if (drain_pending_) drain_ready_queue();
   TORCH_CHECK(phase_ != Phase::BACKWARD && phase_ != Phase::FORWARD,
               "fsdp: the root's forward was called inside its own forward or backward; "
               "call it once per micro-batch, outside backward");
@@ -118,13 +151,14 @@ void Runtime::begin_forward() {
   if (phase_ == Phase::FORWARD_DONE && !graph_alive()) end_iteration();
   if (phase_ == Phase::IDLE) {
     check_parameters_intact();
+    install_missing_hooks();
     order_.start_iteration();
     touch::arm(this, options_.unit_detection == UnitDetection::RECORD_FUNCTION);
   }
   phase_ = Phase::FORWARD;
   pending_before_forward_ = backward_pending_;
   comm_.set_backward_pass(false);
-  touch::set_forward_thread(true);
+  touch::enter_forward();
 }
 
 void Runtime::forward_begins(size_t u) {
@@ -144,7 +178,12 @@ void Runtime::forward_ends(size_t u) {
 }
 
 void Runtime::end_forward(bool ok) {
-  touch::set_forward_thread(false);
+  touch::leave_forward();
+  if (!ok) {
+    // A forward that threw merges nothing: its writes are dropped with the gathered copies.
+    for (auto& s : write_snapshots_) s = at::Tensor();
+    operator_wrote_ = merge_due_ = false;
+  }
   check_not_failed();
   if (current_unit_ && units_[*current_unit_]->state() == Unit::State::FORWARD) forward_ends(*current_unit_);
   current_unit_.reset();
@@ -152,6 +191,8 @@ void Runtime::end_forward(bool ok) {
   for (size_t u = 0; u < units_.size(); ++u) {
     if (units_[u]->state() == Unit::State::FORWARD) forward_ends(u);
   }
+  // Writes to units that stay gathered (the root, NRAF, F = 1) are merged now, in unit order.
+  merge_pending_writes();
   for (size_t u = 0; u < units_.size(); ++u) {
     // Also frees forward prefetches that were not used (the guess from the last iteration was off).
     if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard(u);
@@ -159,7 +200,9 @@ void Runtime::end_forward(bool ok) {
   // Units left gathered for backward: whatever touches them before it must ask first.
   {
     touch::Suppress own_work;
-    for (Unit* unit : units_) unit->handle().guard_gathered();
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (!pinned(u)) units_[u]->handle().guard_gathered();
+    }
   }
   // A forward that threw leaves no graph to wait for, but an earlier forward of this iteration may.
   if (!ok) backward_pending_ = pending_before_forward_;
@@ -168,9 +211,14 @@ void Runtime::end_forward(bool ok) {
   } else {
     end_iteration();  // inference, or a forward without grad: nothing will come back
   }
+  if (!refuse_at_end_.empty()) {  // refused inside the RecordFunction callback (on_touch)
+    const std::string refusal = std::move(refuse_at_end_);
+    refuse_at_end_.clear();
+    throw Refusal(refusal);
+  }
 }
 
-void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_graph) {
+void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_graph, bool writes) {
   // libtorch swallows what a RecordFunction callback throws: record it and report it where it
   // reaches the caller (see the header).
   if (!failure_.empty()) {
@@ -178,7 +226,13 @@ void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_grap
     return;
   }
   try {
-    touched(u, tensor, builds_graph);
+    touched(u, tensor, builds_graph, writes);
+  } catch (const Refusal& r) {
+    // A loop fsdp cannot make exact, refused by name: to the caller, through the key's fallback.
+    // libtorch swallows what a RecordFunction callback throws: that route refuses at the end of
+    // the forward instead.
+    if (options_.unit_detection != UnitDetection::RECORD_FUNCTION) throw;
+    if (refuse_at_end_.empty()) refuse_at_end_ = r.what();
   } catch (const std::exception& e) {
     fail(e.what(), u);
   } catch (...) {
@@ -189,9 +243,16 @@ void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_grap
 void Runtime::on_operator_entered(std::optional<size_t> unit) {
   ++detection_.operator_calls_in_passes;
   if (unit) units_[*unit]->count_operator();
+  // Its touches are delivered; the operator runs next. What it writes is merged before the next.
+  if (operator_wrote_) {
+    operator_wrote_ = false;
+    merge_due_ = true;
+  }
 }
 
-void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph) {
+void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph, bool writes) {
+  // The last operator wrote a gathered unit, and has returned (not while its own parts run).
+  if (merge_due_ && !touch::nested_operator()) merge_pending_writes();
   switch (phase_) {
     case Phase::FORWARD: {
       if (u != root_unit_) {
@@ -207,6 +268,7 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
         forward_begins(u);  // the root, at its first operator of each forward
       }
       use(u);
+      if (writes) note_forward_write(u);
       // Whether backward will come is autograd's to say: an operator that records a graph node
       // (grad mode on and an input requiring grad) may save this unit's tensors for backward.
       if (builds_graph) backward_pending_ = true;
@@ -238,9 +300,11 @@ void Runtime::on_backward_started() {
   if (phase_ != Phase::FORWARD_DONE && !again) return;
   phase_ = Phase::BACKWARD;
   comm_.set_backward_pass(true);
-  std::weak_ptr<Runtime> weak = weak_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-    if (auto rt = weak.lock()) rt->finish_backward();
+  refuse_at_end_ = grad_of_parameters();
+  auto end = std::make_shared<BackwardEnd>(weak_from_this());
+  torch::autograd::Engine::get_default_engine().queue_callback([end] {
+    end->reached = true;
+    if (auto rt = end->runtime.lock()) rt->finish_backward();
   });
 }
 
@@ -251,10 +315,25 @@ void Runtime::backward_needs(size_t u) {
     use(u);
     return;
   }
+  release_passed_frozen(u);
   gather(u);
   if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch_backward(u);
   use(u);
   if (units_[u]->state() == Unit::State::IDLE) units_[u]->pre_backward();
+}
+
+void Runtime::release_passed_frozen(size_t starting) {
+  // Backward has moved on to `starting`: a frozen unit it went through for its inputs' gradients
+  // (the blocks between a trainable first layer and the head) brings no gradient whose hook would
+  // free it, so it is freed here, as PyTorch's FSDP reshards such units as backward passes them.
+  // Needed again after all (another branch), it is gathered again.
+  for (size_t v = 0; v < units_.size(); ++v) {
+    Unit& unit = *units_[v];
+    if (v == starting || v == root_unit_ || unit.state() != Unit::State::PRE_BACKWARD || !unit.frozen()) continue;
+    if (unit.contains(*units_[starting]) || units_[starting]->contains(unit)) continue;
+    unit.post_backward();
+    reshard(v);
+  }
 }
 
 void Runtime::prefetch_backward(size_t u) {
@@ -287,6 +366,27 @@ void Runtime::on_grad_accumulated(size_t u, size_t param) {
   reshard(u);
 }
 
+void Runtime::drain_ready_queue() {
+  drain_pending_ = false;
+  touch::Suppress own_work;
+  at::AutoGradMode on(true);
+  torch::autograd::backward({drain_out_}, {at::ones({1})}, /*retain_graph=*/true);
+  drain_leaf_.mutable_grad().reset();
+}
+
+void Runtime::abort_backward() noexcept {
+  if (phase_ != Phase::BACKWARD || !failure_.empty()) return;  // a failure is final already
+  drain_pending_ = true;
+  try {
+    // What the backward accumulated up to the exception is reduced, as its end would have.
+    finish_backward();
+  } catch (const std::exception& e) {
+    if (failure_.empty()) failure_ = std::string("fsdp: ending a backward that threw failed: ") + e.what();
+  } catch (...) {
+    if (failure_.empty()) failure_ = "fsdp: ending a backward that threw failed";
+  }
+}
+
 void Runtime::finish_backward() {
   check_not_failed();
   touch::Suppress own_work;
@@ -296,28 +396,39 @@ void Runtime::finish_backward() {
   for (size_t u : reduce_fifo_) memory_.reductions_in_flight_at_backward_end += units_[u]->reduction().reducing_bytes() > 0;
   finish_reductions();
   // Units whose gradients did not all arrive through the hooks (a parameter forward touched whose
-  // gradient never flowed) are reduced here, in unit order, the same on every rank.
-  for (size_t u = 0; u < units_.size(); ++u) {
+  // gradient never flowed) are reduced here, in unit order, the same on every rank. A refused
+  // backward (torch::autograd::grad of parameters) accumulated nothing and leaves what the
+  // parameters held (no_sync sums included) as it was.
+  for (size_t u = 0; u < units_.size() && refuse_at_end_.empty(); ++u) {
     if (units_[u]->reduction().has_unreduced()) reduce(u);
   }
   finish_reductions();
   note_memory();
   check_sequence();
-  // A graph backwarded with retain_graph may be backwarded again: stay armed for it.
+  // A graph backwarded with retain_graph may be backwarded again, and so may another forward's
+  // graph that is still alive: stay armed for them (end_iteration keeps their nodes).
   end_iteration(torch::autograd::get_current_graph_task_keep_graph());
+  if (!refuse_at_end_.empty()) {
+    const std::string refusal = std::move(refuse_at_end_);
+    refuse_at_end_.clear();
+    throw Refusal(refusal);
+  }
 }
 
 void Runtime::end_iteration(bool keep_graph) {
   for (size_t u = 0; u < units_.size(); ++u) {
-    reshard(u);
-    units_[u]->reduction().restore();
+    if (!pinned(u)) {  // a pinned unit gets its sharded gradients when its unshard() scope ends
+      reshard(u);
+      units_[u]->reduction().restore();
+    }
     units_[u]->end_iteration(keep_graph);
   }
   backward_pending_ = false;
-  // A graph kept by retain_graph stays backwardable as long as it lives, across other iterations.
+  // A graph that lives on (kept by retain_graph, or another forward's not backwarded yet) can be
+  // backwarded later, across other iterations: its nodes are kept (weakly) while it lives.
   for (Unit* unit : units_) {
     for (auto& ref : unit->take_graph_refs()) {
-      if (keep_graph) retained_refs_.push_back(std::move(ref));
+      if (!ref.expired()) retained_refs_.push_back(std::move(ref));
     }
   }
   retained_refs_.erase(std::remove_if(retained_refs_.begin(), retained_refs_.end(), [](const auto& r) { return r.expired(); }),

@@ -6,13 +6,22 @@
 //   IDLE ──forward──▶ FORWARD ──returns──▶ FORWARD_DONE ──first gradient──▶ BACKWARD ──end──▶ IDLE
 //                        ▲                      │ (another forward: two forwards, one backward)
 //                        └──────────────────────┘
-//   IDLE ──a retained graph is backwarded again──▶ BACKWARD
+//   IDLE ──a graph still alive is backwarded (again)──▶ BACKWARD
 //
 // What the iteration is follows autograd, not the C++ type of the forward's result: a forward
 // expects a backward when one of its operators recorded an autograd node through a unit, and the
 // forwards since the last backward are abandoned (the next forward starts afresh) once no graph
-// references a parameter any more (their AccumulateGrad nodes are gone). Gradients are moved
-// aside when backward reaches a unit, never at forward.
+// references a parameter any more (their AccumulateGrad nodes are gone). A backward ends its
+// iteration, but detection stays armed for as long as some graph through a unit lives: a second
+// backward (another forward's loss, a second tower of the same forward, a retained graph) is a
+// backward of its own, gathered and reduced like the first. Gradients are moved aside when
+// backward reaches a unit, never at forward.
+//
+// Exceptions: a backward that throws (a user hook, an allocation) never reaches its end callback;
+// the callback's owner notices when autograd drops it (BackwardEnd) and finishes that backward
+// there, before the exception reaches the caller: what it accumulated is reduced as if it had
+// ended (every rank threw at the same point: the same collectives), nothing stays gathered, and
+// the next forward starts afresh. A forward that throws is ended by forward_with.
 //
 // FORWARD: the first operator touching a unit gathers it (waiting for its all-gather only then,
 //   so a prefetched one has had time to arrive); with forward prefetch the units the previous
@@ -39,6 +48,8 @@
 
 #include <memory>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "comm/comm_context.h"
@@ -54,6 +65,12 @@ namespace fsdp {
 
 enum class Phase { IDLE, FORWARD, FORWARD_DONE, BACKWARD };
 
+// A loop fsdp cannot make equal to local training, refused by name: thrown to the caller of the
+// operator or call that reached it, and the wrapper stays usable (unlike a failure, which is final).
+struct Refusal : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
 class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_from_this<Runtime> {
  public:
   // `units` outlive the runtime.
@@ -63,9 +80,18 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
 
   void begin_forward();
   void end_forward(bool ok);
-  void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph) override;
+  void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph, bool writes) override;
   void on_operator_entered(std::optional<size_t> unit) override;
   void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) override;
+  void on_unreduced_grad_op(const c10::OperatorHandle& op, size_t unit, bool writes) override;
+  // unshard() scopes (fsdp.h): the units stay gathered while pinned, through forward and backward;
+  // their sharded gradients are handed back when the last pin goes. A collective (pin gathers).
+  void pin(const std::vector<size_t>& units);
+  void unpin(const std::vector<size_t>& units);
+  // Throws, naming `what`, while a unit holds unreduced no_sync gradients (clip, step).
+  void check_no_unreduced_gradients(const char* what) const;
+  // A backward this runtime took part in ended without its end callback (it threw): finish it.
+  void abort_backward() noexcept;
   void set_no_sync(bool on) { no_sync_ = on; }
   void set_summoned(bool on) { summoned_ = on; }
   Phase phase() const { return phase_; }
@@ -81,7 +107,28 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void reset_step();  // peaks and overlap counters start again
 
  private:
-  void touched(size_t unit, const c10::TensorImpl* tensor, bool builds_graph);
+  void touched(size_t unit, const c10::TensorImpl* tensor, bool builds_graph, bool writes);
+  // Hooks on parameters that require grad, installed when first seen requiring it: parameters
+  // frozen at wrapping and unfrozen later (progressive unfreezing) get theirs at the next forward.
+  void install_missing_hooks();
+  // torch::autograd::grad with respect to parameters: its result would be this rank's unreduced
+  // gradient of a whole parameter, not the reduced shard fsdp stands for. Returns the refusal
+  // ("" when the backward does not capture parameters); finish_backward throws it, once the
+  // backward is over and the wrapper is at rest again.
+  std::string grad_of_parameters() const;
+  // A unit's keyed no_sync gradients, registered with the guard while they are unreduced.
+  void register_unreduced_gradients(size_t unit);
+  // Backward has reached `starting`: units whose backward passed without bringing gradients
+  // (frozen) are freed now instead of at the end of backward.
+  void release_passed_frozen(size_t starting);
+  // A forward wrote a unit's gathered parameters in place (Embedding's max_norm): every rank's
+  // writes are merged, into the gathered copies and the shards, before the next operator touches
+  // a unit (it may read them: a tied head reads every row), or the unit is freed.
+  void note_forward_write(size_t unit);
+  void merge_forward_writes(size_t unit);
+  void merge_pending_writes();
+  bool operator_wrote_ = false;  // the operator being delivered writes a unit's parameter
+  bool merge_due_ = false;       // an operator that wrote has run: merge before the next touch
   void on_grad_arriving(size_t unit);
   void on_grad_accumulated(size_t unit, size_t param);
   void on_backward_started();
@@ -97,6 +144,7 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   // Make unit's parameters usable now: gather if needed and wait.
   void use(size_t unit);
   void reshard(size_t unit);
+  bool pinned(size_t unit) const { return !pins_.empty() && pins_[unit] > 0; }
   void forward_begins(size_t unit);
   void forward_ends(size_t unit);
   void backward_needs(size_t unit);
@@ -124,10 +172,24 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   ExecutionOrder order_;
   RateLimiter limiter_;
 
+  std::vector<std::vector<bool>> hooked_;   // per unit, per parameter: its hooks are installed
+  std::vector<int> pins_;                   // per unit: unshard() scopes holding it gathered
+  std::vector<at::Tensor> write_snapshots_;  // per unit: its parameters before a forward wrote them
+  std::vector<std::vector<const c10::StorageImpl*>> guarded_grads_;  // per unit: keyed no_sync grads
+  // A backward that throws leaves the tasks it had queued in libtorch's thread-local ready queue,
+  // holding their nodes (AccumulateGrad ones included: a graph would look alive) until the next
+  // backward on the thread pops and drops them. drain_ready_queue() is that backward: through a
+  // graph built at construction, whose node has a lower sequence number than any task a later
+  // forward's graph queued, so that every stale task is popped before it completes.
+  void drain_ready_queue();
+  at::Tensor drain_leaf_, drain_out_;
+  bool drain_pending_ = false;
+
   MemoryBytes memory_;
   OverlapStats overlap_;
   DetectionStats detection_;
   std::string failure_;  // the first failure; everything throws it from then on
+  std::string refuse_at_end_;  // a refusal the running pass's end throws (forward or backward)
 };
 
 }  // namespace fsdp

@@ -5,19 +5,38 @@
 // the collectives every rank issued.
 #include <stdexcept>
 
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include "engine/runtime.h"
 
 namespace fsdp {
 
 void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::Tensor& tensor, bool writes) {
   ++detection_.operator_calls_at_rest;
-  if (!units_[u]->handle().guarded()) return;  // F = 1 at rest: whole parameters, nothing to check
+  const FlatParamHandle& h = units_[u]->handle();
+  const auto& name = op.operator_name().name;
+  if (writes && units_[u]->reduction().holds_unreduced_no_sync()) {
+    // An optimizer's first write (AdamW's weight decay), before it could change anything.
+    touch::Suppress own_work;
+    throw Refusal("fsdp: " + name + " writes parameter '" + h.layout().entries()[h.param_at(tensor)].fqn +
+                  "' while its unit holds the unreduced gradients of no_sync backwards (each rank its own sum: "
+                  "stepping now would move the replicas apart). Run the synchronized backward (outside no_sync()) "
+                  "before clip_grad_norm_ and the optimizer step, or call zero_grad() to drop what was accumulated.");
+  }
+  if (writes && pinned(u) && h.has_unsharded_buffer()) {
+    touch::Suppress own_work;
+    throw Refusal("fsdp: " + name + " writes parameter '" + h.layout().entries()[h.param_at(tensor)].fqn +
+                  "' inside an unshard() scope, where it holds the gathered copy (the optimizer steps this rank's "
+                  "shard). End the unshard() scope before the optimizer step.");
+  }
+  if (!h.guarded()) return;  // F = 1 at rest: whole parameters, nothing to check
   touch::Suppress own_work;  // our own set_data and copies below must not come back here
   check_not_failed();
-  const FlatParamHandle& h = units_[u]->handle();
   const size_t param = h.param_at(tensor);
   const std::string& fqn = h.layout().entries()[param].fqn;
-  const auto& name = op.operator_name().name;
   if (phase_ == Phase::FORWARD_DONE) {
     if (!graph_alive()) {
       end_iteration();  // the forwards since the last backward were abandoned: back to the shards
@@ -36,6 +55,50 @@ void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::T
         "FullyShardedDataParallel::forward() or forward_with() so that its units are gathered, or read whole "
         "parameters inside summon_full_params() (evaluation, inspection, export).");
   }
+}
+
+void Runtime::on_unreduced_grad_op(const c10::OperatorHandle& op, size_t u, bool writes) {
+  ++detection_.operator_calls_at_rest;
+  if (writes) return;  // zero_grad's detach_() and zero_(): clearing them is what the loop should do
+  throw Refusal("fsdp: " + op.operator_name().name + " reads a gradient of unit '" + comm_.unit_name(static_cast<int>(u)) +
+                "' that holds the unreduced sum of no_sync backwards (this rank's own, in the whole parameter's "
+                "shape): clipping or stepping with it would move the replicas apart. Run the synchronized backward "
+                "(outside no_sync()) first, or call zero_grad() to drop what was accumulated.");
+}
+
+void Runtime::check_no_unreduced_gradients(const char* what) const {
+  for (const Unit* unit : units_) {
+    if (!unit->reduction().holds_unreduced_no_sync()) continue;
+    throw Refusal(std::string("fsdp: ") + what + " after no_sync backwards whose gradients are not reduced yet (unit '" +
+                  comm_.unit_name(unit->index()) + "' holds this rank's own sum): the result would differ across "
+                  "ranks. Run the synchronized backward (outside no_sync()) first, or call zero_grad() to drop what "
+                  "was accumulated.");
+  }
+}
+
+std::string Runtime::grad_of_parameters() const {
+  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  if (exec == nullptr || exec->empty()) return "";  // backward() of everything
+  // The captured AccumulateGrad nodes, by the tensor they accumulate into: a parameter can have
+  // several (libtorch makes a new one when set_data changes its dtype, as mixed precision does).
+  for (const auto& [node, info] : *exec) {
+    if (!info.captures_ || info.captures_->empty()) continue;
+    const auto* accumulate = dynamic_cast<const torch::autograd::AccumulateGrad*>(node);
+    if (accumulate == nullptr) continue;
+    for (const Unit* unit : units_) {
+      const auto& params = unit->handle().params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (accumulate->variable.unsafeGetTensorImpl() != params[i].unsafeGetTensorImpl()) continue;
+        return "fsdp: torch::autograd::grad was asked for the gradient of parameter '" +
+               unit->handle().layout().entries()[i].fqn + "': under fsdp it would return this rank's unreduced "
+               "gradient of the whole parameter, not the reduced shard the parameter holds (assigning it to .grad "
+               "fails, using it moves the replicas apart). Call backward() (or backward with inputs = the "
+               "parameters) and read each parameter's .grad, which holds its reduced shard; torch::autograd::grad "
+               "with respect to inputs and activations works as usual.";
+      }
+    }
+  }
+  return "";
 }
 
 void Runtime::check_not_failed() const {
@@ -64,8 +127,9 @@ bool Runtime::at_rest() {
 
 void Runtime::check_parameters_intact() const {
   if (summoned_) return;
-  for (const Unit* unit : units_) {
-    const FlatParamHandle& h = unit->handle();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (pinned(u)) continue;  // an unshard() scope holds it gathered
+    const FlatParamHandle& h = units_[u]->handle();
     const auto& params = h.params();
     for (size_t i = 0; i < params.size(); ++i) {
       if (params[i].has_storage() && params[i].storage().unsafeGetStorageImpl() == h.shard_storage() &&

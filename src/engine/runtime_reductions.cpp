@@ -29,6 +29,7 @@ void Runtime::reduce(size_t u) {
   // so its all-reduce cannot overtake another unit's on some ranks only.
   if (reduction.pending()) finish_reductions();
   reduction.begin(no_sync_);
+  register_unreduced_gradients(u);  // no_sync: the sums it left on the parameters; else none
   if (reduction.pending()) reduce_fifo_.push_back(u);
   advance_reductions();
   // Bound the unsharded gradients that reductions in flight hold (the plan counts on it): when
@@ -43,6 +44,12 @@ void Runtime::reduce(size_t u) {
     --held;
   }
   note_memory();
+}
+
+void Runtime::register_unreduced_gradients(size_t u) {
+  for (const c10::StorageImpl* s : guarded_grads_[u]) guard::unregister_grad_storage(s);
+  guarded_grads_[u] = units_[u]->reduction().unreduced_storages();
+  for (const c10::StorageImpl* s : guarded_grads_[u]) guard::register_grad_storage(this, u, s);
 }
 
 void Runtime::advance_reductions() {

@@ -33,10 +33,15 @@ at::CallbackHandle g_handle = 0;
 bool g_callback_enabled = false;
 
 thread_local bool t_in_callback = false;     // our own collectives and copies run operators too
-thread_local bool t_forward_thread = false;
+thread_local int t_forward_depth = 0;  // roots whose forward this thread is in (nested: a teacher's)
 thread_local CheckpointScope::Kind t_checkpoint = CheckpointScope::NONE;
 thread_local std::vector<std::shared_ptr<void>>* t_keep_alive = nullptr;
 thread_local std::vector<std::shared_ptr<void>>* t_operator_pins = nullptr;
+// RECORD_FUNCTION: how deep in operator calls this thread is (the callback sees the operators a
+// composite calls, unlike the key's fallback, which excludes them).
+thread_local int t_operator_depth = 0;
+
+struct DepthContext : at::ObserverContext {};
 
 bool requires_grad(const c10::IValue& v) {
   if (v.isTensor()) return v.toTensor().requires_grad();
@@ -55,7 +60,7 @@ bool requires_grad(const c10::IValue& v) {
 // Whether the operator will record an autograd node: grad mode on and an input that requires grad.
 template <typename Args>
 bool builds_graph(const Args& args) {
-  if (!t_forward_thread) return false;
+  if (t_forward_depth == 0) return false;
   // Without grad mode, but the checkpoint's node will recompute this operator in backward.
   if (t_checkpoint == CheckpointScope::FORWARD) return true;
   if (!c10::GradMode::is_enabled()) return false;
@@ -99,23 +104,33 @@ const Target* target_of(const at::Tensor& t, bool record_function) {
 
 // The operator's tensors that are units' storage, told to their sinks; then each sink counts the
 // call once, for the first of its units it touched. Returns the sinks that counted it.
-template <typename Args>
-std::vector<TouchSink*> deliver(const Args& args, bool record_function, bool keyed_only) {
+// `schema_of()`: the operator's schema (or null), asked only once an argument is a unit's, to
+// tell whether the operator writes that argument in place.
+template <typename Args, typename SchemaOf>
+std::vector<TouchSink*> deliver(const Args& args, bool record_function, bool keyed_only, SchemaOf&& schema_of) {
   bool graph_known = false, graph = false;
   std::vector<Target> first;  // per sink, the first unit touched (usually one sink)
-  for_each_tensor(args, [&](const at::Tensor& t) {
-    if (keyed_only && !param_key::has_key(t)) return;
-    const Target* target = target_of(t, record_function);
-    if (!target) return;
-    if (!graph_known) {
-      graph = builds_graph(args);
-      graph_known = true;
-    }
-    if (std::none_of(first.begin(), first.end(), [&](const Target& f) { return f.sink == target->sink; })) {
-      first.push_back(*target);
-    }
-    target->sink->on_touch(target->unit, t.unsafeGetTensorImpl(), graph);
-  });
+  size_t index = 0;
+  for (const c10::IValue& v : args) {
+    const size_t argument = index++;
+    for_each_tensor(c10::ArrayRef<c10::IValue>(&v, 1), [&](const at::Tensor& t) {
+      if (keyed_only && !param_key::has_key(t)) return;
+      const Target* target = target_of(t, record_function);
+      if (!target) return;
+      const c10::FunctionSchema* schema = schema_of();
+      const auto* alias =
+          schema && argument < schema->arguments().size() ? schema->arguments()[argument].alias_info() : nullptr;
+      const bool writes = alias != nullptr && alias->isWrite();
+      if (!graph_known) {
+        graph = builds_graph(args);
+        graph_known = true;
+      }
+      if (std::none_of(first.begin(), first.end(), [&](const Target& f) { return f.sink == target->sink; })) {
+        first.push_back(*target);
+      }
+      target->sink->on_touch(target->unit, t.unsafeGetTensorImpl(), graph, writes);
+    });
+  }
   std::vector<TouchSink*> counted;
   for (const Target& f : first) {
     f.sink->on_operator_entered(f.unit);
@@ -127,22 +142,38 @@ std::vector<TouchSink*> deliver(const Args& args, bool record_function, bool key
 bool on_pass_thread() {
   // Only the thread running a root's forward, or a thread running backward. Gloo's worker
   // threads, for one, also run operators on our buffers and must be left alone.
-  return t_forward_thread || torch::autograd::get_current_graph_task_id() != -1;
+  return t_forward_depth > 0 || torch::autograd::get_current_graph_task_id() != -1;
 }
 
 // Options::unit_detection == RECORD_FUNCTION: every operator, by its inputs' storage.
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
-  if (t_in_callback || !on_pass_thread()) return nullptr;
+  ++t_operator_depth;
+  auto depth = std::make_unique<DepthContext>();  // on_op_end takes the level back
+  if (t_in_callback || !on_pass_thread()) return depth;
   Suppress reentry;  // RAII: an exception never leaves the guard set
   std::shared_lock<std::shared_mutex> lock(g_mutex);
-  const std::vector<TouchSink*> counted = deliver(fn.inputs(), /*record_function=*/true, /*keyed_only=*/false);
+  // The schema, looked up by name only for an operator that touched a unit.
+  std::optional<c10::OperatorHandle> handle;
+  bool looked_up = false;
+  auto schema_of = [&]() -> const c10::FunctionSchema* {
+    if (!looked_up) {
+      looked_up = true;
+      if (auto name = fn.operator_name()) handle = c10::Dispatcher::singleton().findOp(*name);
+    }
+    return handle && handle->hasSchema() ? &handle->schema() : nullptr;
+  };
+  const std::vector<TouchSink*> counted = deliver(fn.inputs(), /*record_function=*/true, /*keyed_only=*/false, schema_of);
   for (const Armed& a : g_armed) {
     // Every operator costs this path, whether it touched a unit or not.
     if (a.record_function && std::find(counted.begin(), counted.end(), a.sink) == counted.end()) {
       a.sink->on_operator_entered(std::nullopt);
     }
   }
-  return nullptr;
+  return depth;
+}
+
+void on_op_end(const at::RecordFunction&, at::ObserverContext* ctx) {
+  if (ctx != nullptr && t_operator_depth > 0) --t_operator_depth;
 }
 
 void update_callback_locked() {
@@ -150,7 +181,7 @@ void update_callback_locked() {
   if (enable == g_callback_enabled) return;
   if (g_handle == 0) {
     g_handle = at::addGlobalCallback(
-        at::RecordFunctionCallback(&on_op_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+        at::RecordFunctionCallback(&on_op_start, &on_op_end).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
   } else if (enable) {
     at::reenableCallback(g_handle);
   } else {
@@ -168,7 +199,7 @@ void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
   if (g_armed.empty()) return;
   const size_t n = op.schema().arguments().size();
   const c10::ArrayRef<c10::IValue> args(stack.data() + stack.size() - n, n);
-  deliver(args, /*record_function=*/false, /*keyed_only=*/true);
+  deliver(args, /*record_function=*/false, /*keyed_only=*/true, [&op] { return &op.schema(); });
 }
 
 void register_storage(TouchSink* sink, size_t unit, const c10::StorageImpl* storage) {
@@ -203,7 +234,10 @@ Suppress::Suppress() : previous_(t_in_callback) { t_in_callback = true; }
 Suppress::~Suppress() { t_in_callback = previous_; }
 bool suppressed() { return t_in_callback; }
 
-void set_forward_thread(bool on) { t_forward_thread = on; }
+void enter_forward() { ++t_forward_depth; }
+void leave_forward() {
+  if (t_forward_depth > 0) --t_forward_depth;
+}
 
 CheckpointScope::CheckpointScope(Kind kind, std::vector<std::shared_ptr<void>>* keep_alive)
     : previous_kind_(t_checkpoint), previous_keep_(t_keep_alive) {
@@ -215,6 +249,8 @@ CheckpointScope::~CheckpointScope() {
   t_checkpoint = previous_kind_;
   t_keep_alive = previous_keep_;
 }
+
+bool nested_operator() { return t_operator_depth > 1; }
 
 bool checkpointed_forward() { return t_checkpoint == CheckpointScope::FORWARD; }
 bool recomputing() { return t_checkpoint == CheckpointScope::RECOMPUTE; }
@@ -230,7 +266,7 @@ void pin_for_operator(std::shared_ptr<void> node) {
   if (node && t_operator_pins) t_operator_pins->push_back(std::move(node));
 }
 
-bool in_root_pass() { return t_forward_thread || t_in_callback || torch::autograd::get_current_graph_task_id() != -1; }
+bool in_root_pass() { return t_forward_depth > 0 || t_in_callback || torch::autograd::get_current_graph_task_id() != -1; }
 
 }  // namespace touch
 }  // namespace fsdp

@@ -25,12 +25,13 @@
 
 namespace fsdp {
 
-// Called by the callback with the unit index the runtime registered, the touching tensor, and
-// whether the operator records an autograd node (grad mode on and some input requires grad): then
-// backward may come back for the unit's tensors. On the forward thread only; false elsewhere.
+// Called by the callback with the unit index the runtime registered, the touching tensor, whether
+// the operator records an autograd node (grad mode on and some input requires grad: then backward
+// may come back for the unit's tensors; on the forward thread only, false elsewhere) and whether it
+// writes the tensor in place (its schema says so).
 struct TouchSink {
   virtual ~TouchSink() = default;
-  virtual void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph) = 0;
+  virtual void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph, bool writes) = 0;
   // One operator call entered fsdp's detection for this sink (once per call, however many of its
   // tensors are the sink's), after its touches: what the detection costs, counted
   // (Metrics::detection). `unit`: the first of the sink's units it touched, if any.
@@ -51,11 +52,17 @@ void disarm(TouchSink* sink);
 // delivered to armed DISPATCH_KEY sinks.
 void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 
-// Marks the calling thread as running a root's forward (until set back to false).
-void set_forward_thread(bool on);
+// Marks the calling thread as running a root's forward: a depth, so that a wrapped model called
+// inside another's forward (a teacher inside a student) leaves the outer forward marked when it
+// returns. Every enter is matched by one leave.
+void enter_forward();
+void leave_forward();
 // Whether the calling thread is in a root's forward, in a backward (an autograd graph task), or in
 // the runtime's own work.
 bool in_root_pass();
+// Through the RecordFunction callback: whether the operator being delivered runs inside another
+// operator (a composite's parts; the key's fallback never delivers those).
+bool nested_operator();
 
 // Activation checkpointing (fsdp/activation_checkpoint.h) on this thread, which the runtime must
 // know about: a checkpointed forward runs without grad mode, yet backward will come back for the

@@ -93,6 +93,13 @@ std::shared_ptr<torch::autograd::Node> Unit::expect_grad(const c10::TensorImpl* 
   return node;
 }
 
+bool Unit::frozen() const {
+  for (const auto& p : handle_.params()) {
+    if (p.requires_grad()) return false;
+  }
+  return true;
+}
+
 bool Unit::graph_alive() const {
   for (const auto& ref : graph_refs_) {
     if (!ref.expired()) return true;

@@ -65,6 +65,9 @@ class Unit {
   // Returns that node (null when `tensor` is not such a parameter).
   std::shared_ptr<torch::autograd::Node> expect_grad(const c10::TensorImpl* tensor);
   bool graph_alive() const;
+  // Whether no parameter of the unit requires grad now: backward passes through it (for its
+  // inputs' gradients) without bringing it any.
+  bool frozen() const;
   // The nodes noted since the last call (a retained graph's outlive its iteration).
   std::vector<std::weak_ptr<torch::autograd::Node>> take_graph_refs();
   // A gradient was accumulated into parameter `param`. True when it was the last one expected:

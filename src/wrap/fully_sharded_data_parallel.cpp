@@ -40,6 +40,21 @@ FullyShardedDataParallelBase::FullParams FullyShardedDataParallelBase::summon_fu
   return FullParams(root_.get(), options.writeback);
 }
 
+FullyShardedDataParallelBase::Unsharded::Unsharded(detail::ShardedRoot* root, std::vector<size_t> units)
+    : root_(root), units_(std::move(units)) {}
+FullyShardedDataParallelBase::Unsharded::Unsharded(Unsharded&& other) noexcept
+    : root_(other.root_), units_(std::move(other.units_)) {
+  other.root_ = nullptr;
+}
+FullyShardedDataParallelBase::Unsharded::~Unsharded() {
+  if (root_) root_->runtime().unpin(units_);
+}
+FullyShardedDataParallelBase::Unsharded FullyShardedDataParallelBase::unshard(const std::vector<std::string>& unit_names) {
+  std::vector<size_t> units = root_->unit_indices(unit_names);
+  root_->runtime().pin(units);
+  return Unsharded(root_.get(), std::move(units));
+}
+
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelBase::named_parameters() const {
   return root_->unique_named_parameters();
 }

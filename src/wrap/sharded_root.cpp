@@ -152,6 +152,7 @@ double ShardedRoot::clip_grad_norm(double max_norm) {
   runtime_->check_not_failed();
   TORCH_CHECK(runtime_->at_rest(), "fsdp: clip_grad_norm_ must be called after backward, before the optimizer step, "
                                    "not between a forward and its backward");
+  runtime_->check_no_unreduced_gradients("clip_grad_norm_");
   std::vector<const Unit*> units;
   for (const auto& u : units_) units.push_back(u.get());
   return fsdp::clip_grad_norm(units, *comm_, max_norm);
@@ -213,6 +214,26 @@ std::vector<UnitInfo> ShardedRoot::units() const {
     info.element_size = static_cast<int64_t>(c10::elementSize(h.dtypes().master));
     info.is_root = u->is_root();
     out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::vector<size_t> ShardedRoot::unit_indices(const std::vector<std::string>& names) const {
+  std::vector<size_t> out;
+  if (names.empty()) {
+    for (size_t u = 0; u < units_.size(); ++u) out.push_back(u);
+    return out;
+  }
+  for (const std::string& name : names) {
+    size_t u = 0;
+    while (u < units_.size() && units_[u]->name() != name) ++u;
+    if (u == units_.size()) {
+      std::string known;
+      for (const auto& unit : units_) known += (known.empty() ? "'" : ", '") + unit->name() + "'";
+      throw std::invalid_argument("fsdp: unshard(): '" + name + "' is not a unit of this model; its units are " + known +
+                                  " ('' is the root unit)");
+    }
+    out.push_back(u);
   }
   return out;
 }

@@ -35,6 +35,9 @@ class ShardedRoot {
   void end_summon(bool writeback);
   std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;
   std::vector<UnitInfo> units() const;
+  // The indices of the units named by module path ("" the root unit); every unit for none. Throws
+  // for a name that is not a unit, listing those that are.
+  std::vector<size_t> unit_indices(const std::vector<std::string>& names) const;
   std::vector<Span> timeline() const { return comm_->timeline().spans(); }
   void write_trace(const std::string& path) const;
 

@@ -39,6 +39,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--fault-step") a.fault_step = std::stoi(v);
     else if (k == "--sequence") a.sequence = v;
     else if (k == "--mismatch-what") a.mismatch_what = v;
+    else if (k == "--case") a.hole = v;
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;

@@ -1,6 +1,17 @@
 #include "fuzz_models.h"
 
+#include <c10/core/InferenceMode.h>
+
 namespace worker::fuzz {
+
+std::string Features::describe() const {
+  std::string s = gpt ? "tiny GPT" : "uneven net";
+  s += ", " + optimizer;
+  if (max_norm) s += ", max_norm embedding";
+  if (frozen_block) s += ", frozen block";
+  if (teacher) s += ", nested teacher";
+  return s;
+}
 
 torch::Tensor Core::run(const torch::Tensor& x) const {
   return gpt ? std::dynamic_pointer_cast<models::GPTImpl>(module)->forward(x)
@@ -17,17 +28,36 @@ torch::Tensor Core::loss(const torch::Tensor& out, const torch::Tensor& target) 
   return gpt ? models::lm_loss(out.to(torch::kFloat), target) : torch::mse_loss(out.to(torch::kFloat), target);
 }
 
+torch::Tensor Core::aux_loss(const torch::Tensor& out) const { return out.to(torch::kFloat).square().mean() * 0.01; }
+
 fsdp::WrapPolicy Core::policy() const {
   return gpt ? fsdp::module_type_policy<models::BlockImpl>() : fsdp::module_type_policy<torch::nn::LinearImpl>();
 }
 
-Core make_core(bool gpt) {
-  torch::manual_seed(0);
+torch::nn::Module& Core::toggle_module() const {
+  if (gpt) return *std::dynamic_pointer_cast<models::GPTImpl>(module)->blocks[0];
+  return *std::dynamic_pointer_cast<models::UnevenNetImpl>(module)->c;
+}
+
+Core make_core(const Features& f, uint64_t seed) {
+  torch::manual_seed(seed);
   Core c;
-  c.gpt = gpt;
-  if (gpt) c.module = models::GPT(models::GPTConfig::preset("tiny")).ptr();
-  else c.module = models::UnevenNet().ptr();
+  c.gpt = f.gpt;
+  if (f.gpt) {
+    auto gpt = models::GPT(models::GPTConfig::preset("tiny"));
+    if (f.max_norm && seed == 0) gpt->tok_emb->options.max_norm(0.1);  // below the initial rows' norms (about 0.11)
+    c.module = gpt.ptr();
+  } else {
+    c.module = models::UnevenNet().ptr();
+  }
+  if (f.frozen_block && seed == 0) {
+    for (auto& p : c.toggle_module().parameters()) p.requires_grad_(false);
+  }
   return c;
+}
+
+torch::Tensor with_teacher(const torch::Tensor& student, const torch::Tensor& teacher_logits) {
+  return student + teacher_logits.detach().to(student.scalar_type()) * 0.1;
 }
 
 const char* name_of(OutKind k) {
@@ -43,6 +73,15 @@ const char* name_of(OutKind k) {
   return "?";
 }
 
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, const std::vector<torch::Tensor>& params,
+                                                        double lr) {
+  if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr * 0.1));
+  if (kind == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr * 0.1).weight_decay(0.01));
+  }
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(0.9));
+}
+
 namespace {
 
 // Named as inside FuzzNet ("core." + the core's own name).
@@ -52,87 +91,215 @@ std::map<std::string, torch::Tensor> by_name(torch::nn::Module& m, bool grads) {
   return out;
 }
 
+std::vector<torch::Tensor> params_of(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& kv : unique_params(m)) out.push_back(kv.second);
+  return out;
+}
+
+// Backward of `losses`' sum, with a hook on `hooked` (when defined) that throws, as a user's would;
+// the exception is the one the fuzzer expects, and is swallowed here.
+void backward_throwing(const std::vector<torch::Tensor>& losses, torch::Tensor hooked) {
+  torch::Tensor sum = losses[0];
+  for (size_t i = 1; i < losses.size(); ++i) sum = sum + losses[i];
+  const unsigned handle =
+      hooked.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("fuzz: hook throws"); });
+  try {
+    sum.backward();
+  } catch (const std::exception& e) {
+    if (std::string(e.what()).find("fuzz: hook throws") == std::string::npos) {
+      hooked.remove_hook(handle);
+      throw;
+    }
+  }
+  hooked.remove_hook(handle);
+}
+
 // Local training: one model on the whole global batch.
 class LocalReference final : public Reference {
  public:
-  LocalReference(bool gpt, double lr) : core_(make_core(gpt)) {
-    for (auto& kv : unique_params(*core_.module)) params_.push_back(kv.second);
-    optim_ = std::make_unique<torch::optim::SGD>(params_, torch::optim::SGDOptions(lr).momentum(0.9));
+  LocalReference(const Features& f, double lr) : features_(f), core_(make_core(f)) {
+    if (f.teacher) teacher_ = make_core(f, 1);
+    optim_ = make_optimizer(f.optimizer, params_of(*core_.module), lr);
   }
-  double forward(int64_t batch, bool grad) override {
-    torch::AutoGradMode mode(grad);
+  double forward(int64_t batch, ForwardKind kind) override {
+    const bool grad = kind == ForwardKind::GRAD || kind == ForwardKind::TWO_LOSSES;
     auto [x, y] = core_.data(batch, 0, kGlobalBatch);
-    auto loss = core_.loss(core_.run(x), y);
-    if (grad) pending_.push_back(loss);
-    return loss.item<double>();
+    std::optional<c10::InferenceMode> inference;
+    if (kind == ForwardKind::INFERENCE) inference.emplace();
+    torch::AutoGradMode mode(grad);
+    torch::Tensor out = core_.run(x);
+    if (teacher_) {
+      torch::NoGradGuard no_grad;
+      const torch::Tensor t = teacher_->run(x);
+      torch::AutoGradMode back(grad);
+      out = with_teacher(out, t);
+    }
+    auto loss = core_.loss(out, y);
+    const double value = loss.item<double>();
+    if (grad) {
+      pending_.push_back(loss);
+      forwards_.push_back(1);
+      if (kind == ForwardKind::TWO_LOSSES) {
+        pending_.push_back(core_.aux_loss(out));
+        forwards_.back() = 2;
+      }
+    }
+    return value;
   }
-  void drop_graph() override { pending_.pop_back(); }
+  void drop_graph() override {
+    for (int i = 0; i < forwards_.back(); ++i) pending_.pop_back();
+    forwards_.pop_back();
+  }
+  void drop_all_graphs() override {
+    pending_.clear();
+    forwards_.clear();
+  }
   void backward(bool retain, bool) override {
     torch::Tensor sum = pending_[0];
     for (size_t i = 1; i < pending_.size(); ++i) sum = sum + pending_[i];
     sum.backward({}, retain);
-    if (!retain) pending_.clear();
+    if (!retain) drop_all_graphs();
+  }
+  void backward_each() override {
+    for (size_t i = 0; i < pending_.size(); ++i) pending_[i].backward({}, /*retain_graph=*/i + 1 < pending_.size());
+    drop_all_graphs();
+  }
+  void backward_throwing_at(const std::string& fqn) override {
+    backward_throwing(pending_, named(fqn));
+    drop_all_graphs();
   }
   void zero_grad(bool set_to_none) override { optim_->zero_grad(set_to_none); }
   void step() override { optim_->step(); }
-  void clip(double max_norm) override { torch::nn::utils::clip_grad_norm_(params_, max_norm); }
+  void clip(double max_norm) override { torch::nn::utils::clip_grad_norm_(params_of(*core_.module), max_norm); }
+  void toggle_frozen() override {
+    for (auto& p : core_.toggle_module().parameters()) p.requires_grad_(!p.requires_grad());
+  }
   std::map<std::string, torch::Tensor> params() override { return by_name(*core_.module, false); }
   std::map<std::string, torch::Tensor> grads() override { return by_name(*core_.module, true); }
 
  private:
+  torch::Tensor named(const std::string& fqn) {
+    for (auto& [name, p] : unique_params(*core_.module)) {
+      if ("core." + name == fqn) return p;
+    }
+    throw std::invalid_argument("fuzz: no parameter " + fqn);
+  }
+  Features features_;
   Core core_;
-  std::vector<torch::Tensor> params_;
-  std::unique_ptr<torch::optim::SGD> optim_;
+  std::optional<Core> teacher_;
+  std::unique_ptr<torch::optim::Optimizer> optim_;
   std::vector<torch::Tensor> pending_;
+  std::vector<int> forwards_;  // how many pending losses each forward left
 };
 
 // fsdp's casts replayed: an fp32 master and W working copies in param_dtype, one per rank.
 class ReplayReference final : public Reference {
  public:
-  ReplayReference(bool gpt, int W, fsdp::MixedPrecision mp, double lr) : master_(make_core(gpt)), mp_(mp), W_(W) {
-    for (auto& kv : unique_params(*master_.module)) {
-      names_.push_back(kv.first);
-      params_.push_back(kv.second);
-    }
-    optim_ = std::make_unique<torch::optim::SGD>(params_, torch::optim::SGDOptions(lr).momentum(0.9));
+  ReplayReference(const Features& f, int W, fsdp::MixedPrecision mp, double lr) : master_(make_core(f)), mp_(mp), W_(W) {
+    params_ = params_of(*master_.module);
+    optim_ = make_optimizer(f.optimizer, params_, lr);
     for (int r = 0; r < W; ++r) {
-      workers_.push_back(make_core(gpt));
-      std::vector<torch::Tensor> wp;
-      for (auto& kv : unique_params(*workers_.back().module)) wp.push_back(kv.second);
-      worker_params_.push_back(wp);
+      workers_.push_back(make_core(f));
+      worker_params_.push_back(params_of(*workers_.back().module));
       accum_.emplace_back(params_.size());
     }
     pending_.resize(static_cast<size_t>(W));
     recast();
   }
-  double forward(int64_t batch, bool grad) override {
-    torch::AutoGradMode mode(grad);
+  double forward(int64_t batch, ForwardKind kind) override {
+    const bool grad = kind == ForwardKind::GRAD || kind == ForwardKind::TWO_LOSSES;
     const int64_t per = kGlobalBatch / W_;
     double sum = 0;
     for (int r = 0; r < W_; ++r) {
-      auto [x, y] = workers_[static_cast<size_t>(r)].data(batch, r * per, (r + 1) * per);
+      Core& w = workers_[static_cast<size_t>(r)];
+      auto [x, y] = w.data(batch, r * per, (r + 1) * per);
       if (x.is_floating_point()) x = x.to(mp_.param_dtype);  // as the root's forward casts inputs
-      auto loss = workers_[static_cast<size_t>(r)].loss(workers_[static_cast<size_t>(r)].run(x), y);
-      if (grad) pending_[static_cast<size_t>(r)].push_back(loss);
+      std::optional<c10::InferenceMode> inference;
+      if (kind == ForwardKind::INFERENCE) inference.emplace();
+      torch::AutoGradMode mode(grad);
+      const torch::Tensor out = w.run(x);
+      auto loss = w.loss(out, y);
+      if (grad) {
+        pending_[static_cast<size_t>(r)].push_back(loss);
+        if (kind == ForwardKind::TWO_LOSSES) pending_[static_cast<size_t>(r)].push_back(w.aux_loss(out));
+      }
       sum += loss.item<double>();
     }
+    if (grad) forwards_.push_back(kind == ForwardKind::TWO_LOSSES ? 2 : 1);
     return sum / W_;
   }
   void drop_graph() override {
-    for (auto& p : pending_) p.pop_back();
+    for (auto& p : pending_) {
+      for (int i = 0; i < forwards_.back(); ++i) p.pop_back();
+    }
+    forwards_.pop_back();
+  }
+  void drop_all_graphs() override {
+    for (auto& p : pending_) p.clear();
+    forwards_.clear();
   }
   void backward(bool retain, bool no_sync) override {
+    run_backward(no_sync, [&](std::vector<torch::Tensor>& pend, int) {
+      torch::Tensor sum = pend[0];
+      for (size_t i = 1; i < pend.size(); ++i) sum = sum + pend[i];
+      sum.backward({}, retain);
+    });
+    if (!retain) drop_all_graphs();
+  }
+  void backward_each() override {
+    // fsdp reduces after each backward: replay each as a backward of its own.
+    const size_t n = pending_[0].size();
+    for (size_t i = 0; i < n; ++i) {
+      run_backward(false, [&](std::vector<torch::Tensor>& pend, int) { pend[i].backward({}, i + 1 < n); });
+    }
+    drop_all_graphs();
+  }
+  void backward_throwing_at(const std::string& fqn) override {
+    run_backward(false, [&](std::vector<torch::Tensor>& pend, int r) { backward_throwing(pend, named(r, fqn)); });
+    drop_all_graphs();
+  }
+  void zero_grad(bool set_to_none) override {
+    optim_->zero_grad(set_to_none);
+    // The unsynchronized (no_sync) sums are gradients too: locally they would be on the parameters.
+    for (auto& per_rank : accum_) {
+      for (auto& a : per_rank) {
+        if (!a.defined()) continue;
+        if (set_to_none) a = torch::Tensor(); else a.zero_();
+      }
+    }
+  }
+  void step() override {
+    optim_->step();
+    recast();
+  }
+  void clip(double max_norm) override { torch::nn::utils::clip_grad_norm_(params_, max_norm); }
+  void toggle_frozen() override {
+    for (auto& p : master_.toggle_module().parameters()) p.requires_grad_(!p.requires_grad());
+    for (auto& w : workers_) {
+      for (auto& p : w.toggle_module().parameters()) p.requires_grad_(!p.requires_grad());
+    }
+  }
+  std::map<std::string, torch::Tensor> params() override { return by_name(*master_.module, false); }
+  std::map<std::string, torch::Tensor> grads() override { return by_name(*master_.module, true); }
+
+ private:
+  torch::Tensor named(int r, const std::string& fqn) {
+    for (auto& [name, p] : unique_params(*workers_[static_cast<size_t>(r)].module)) {
+      if ("core." + name == fqn) return p;
+    }
+    throw std::invalid_argument("fuzz: no parameter " + fqn);
+  }
+  // One backward on every working copy, then fsdp's reduction of what each accumulated.
+  template <typename Fn>
+  void run_backward(bool no_sync, Fn&& backward_of_rank) {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> reduced(params_.size());
     for (int r = 0; r < W_; ++r) {
-      auto& pend = pending_[static_cast<size_t>(r)];
       {
         torch::AutoGradMode on(true);
-        torch::Tensor sum = pend[0];
-        for (size_t i = 1; i < pend.size(); ++i) sum = sum + pend[i];
-        sum.backward({}, retain);
+        backward_of_rank(pending_[static_cast<size_t>(r)], r);
       }
-      if (!retain) pend.clear();
       auto& wp = worker_params_[static_cast<size_t>(r)];
       for (size_t i = 0; i < params_.size(); ++i) {
         const torch::Tensor g = wp[i].grad();
@@ -156,25 +323,6 @@ class ReplayReference final : public Reference {
       if (params_[i].grad().defined()) params_[i].mutable_grad().add_(g); else params_[i].mutable_grad() = g;
     }
   }
-  void zero_grad(bool set_to_none) override {
-    optim_->zero_grad(set_to_none);
-    // The unsynchronized (no_sync) sums are gradients too: locally they would be on the parameters.
-    for (auto& per_rank : accum_) {
-      for (auto& a : per_rank) {
-        if (!a.defined()) continue;
-        if (set_to_none) a = torch::Tensor(); else a.zero_();
-      }
-    }
-  }
-  void step() override {
-    optim_->step();
-    recast();
-  }
-  void clip(double max_norm) override { torch::nn::utils::clip_grad_norm_(params_, max_norm); }
-  std::map<std::string, torch::Tensor> params() override { return by_name(*master_.module, false); }
-  std::map<std::string, torch::Tensor> grads() override { return by_name(*master_.module, true); }
-
- private:
   void recast() {
     torch::NoGradGuard no_grad;
     for (auto& wp : worker_params_) {
@@ -184,21 +332,21 @@ class ReplayReference final : public Reference {
   Core master_;
   fsdp::MixedPrecision mp_;
   int W_;
-  std::vector<std::string> names_;
   std::vector<torch::Tensor> params_;
-  std::unique_ptr<torch::optim::SGD> optim_;
+  std::unique_ptr<torch::optim::Optimizer> optim_;
   std::vector<Core> workers_;
   std::vector<std::vector<torch::Tensor>> worker_params_;
   std::vector<std::vector<torch::Tensor>> accum_;    // per rank, per parameter: no_sync sums (fp32)
   std::vector<std::vector<torch::Tensor>> pending_;  // per rank: losses not backwarded yet
+  std::vector<int> forwards_;                        // how many pending losses each forward left
 };
 
 }  // namespace
 
-std::unique_ptr<Reference> make_reference(bool gpt, int world_size, const std::optional<fsdp::MixedPrecision>& mp,
-                                          double lr) {
-  if (!mp) return std::make_unique<LocalReference>(gpt, lr);
-  return std::make_unique<ReplayReference>(gpt, world_size, *mp, lr);
+std::unique_ptr<Reference> make_reference(const Features& f, int world_size,
+                                          const std::optional<fsdp::MixedPrecision>& mp, double lr) {
+  if (!mp) return std::make_unique<LocalReference>(f, lr);
+  return std::make_unique<ReplayReference>(f, world_size, *mp, lr);
 }
 
 }  // namespace worker::fuzz

@@ -3,10 +3,14 @@
 // FuzzNet<Out>: the tiny GPT (typed members, a tied weight) or the uneven net (an unused
 // parameter), behind a forward that returns `Out`: a Tensor, a std::pair, a struct, a std::map, a
 // torch::Dict, an IValue tuple, or nested containers. Whether backward will come must not depend
-// on that type.
+// on that type. A seed's Features add what a user's model may do: an embedding that renormalizes
+// its rows in forward (max_norm: an in-place write to a parameter), a frozen block that a loop
+// unfreezes later, a teacher wrapped on its own and called inside the forward (nested roots), and
+// the optimizer (SGD with momentum, Adam, AdamW).
 //
 // References: what the same sequence of calls does without fsdp.
-//   LocalReference   fp32: local training, one model on the whole global batch (the oracle).
+//   LocalReference   local training, one model on the whole global batch (the oracle), in fp32;
+//                    also the independent oracle of mixed-precision runs, at a looser tolerance.
 //   ReplayReference  mixed precision: the casts fsdp makes, replayed on W local working copies
 //                    (forward and backward of rank r's slice in param_dtype, gradients cast to
 //                    reduce_dtype, divided by W, summed over ranks, cast to the fp32 master),
@@ -23,6 +27,16 @@
 
 namespace worker::fuzz {
 
+// What a seed's model and loop are made of, beyond the calls.
+struct Features {
+  bool gpt = true;
+  std::string optimizer = "sgd";  // sgd (momentum 0.9), adam, adamw
+  bool max_norm = false;          // GPT: tok_emb renormalizes the rows it reads (max_norm 0.1) in forward
+  bool frozen_block = false;      // the toggle module starts frozen (requires_grad false at wrapping)
+  bool teacher = false;           // GPT: a teacher's detached logits (its own wrapper) join the output
+  std::string describe() const;
+};
+
 // The network inside every FuzzNet, and what its loss is.
 struct Core {
   bool gpt = true;
@@ -31,9 +45,16 @@ struct Core {
   // Inputs and targets of rows [begin, end) of global batch `batch`.
   std::pair<torch::Tensor, torch::Tensor> data(int64_t batch, int64_t begin, int64_t end) const;
   torch::Tensor loss(const torch::Tensor& out, const torch::Tensor& target) const;
+  // A second loss on the same output (a second tower's, an auxiliary term).
+  torch::Tensor aux_loss(const torch::Tensor& out) const;
   fsdp::WrapPolicy policy() const;
+  // The module a loop freezes and unfreezes (a unit: the GPT's first block, the uneven net's c).
+  torch::nn::Module& toggle_module() const;
 };
-Core make_core(bool gpt);  // built from torch::manual_seed(0)
+// Built from torch::manual_seed(seed): 0 for the model, 1 for a teacher.
+Core make_core(const Features& f, uint64_t seed = 0);
+// The teacher's logits, detached and scaled, that a student's output adds (both sides alike).
+torch::Tensor with_teacher(const torch::Tensor& student, const torch::Tensor& teacher_logits);
 
 struct TwoHeads {
   torch::Tensor logits, aux;
@@ -86,32 +107,55 @@ torch::Tensor unpack(const Out& o) {
 
 template <typename Out>
 struct FuzzNetImpl : torch::nn::Module {
-  explicit FuzzNetImpl(bool gpt) : core(make_core(gpt)) { register_module("core", core.module); }
-  Out forward(const torch::Tensor& x) { return pack<Out>(core.run(x)); }
+  explicit FuzzNetImpl(const Features& f) : core(make_core(f)) { register_module("core", core.module); }
+  // `teacher`: the teacher's logits for x (a nested wrapped model's forward), or null.
+  Out forward(const torch::Tensor& x) {
+    torch::Tensor out = core.run(x);
+    if (teacher) out = with_teacher(out, teacher(x));
+    return pack<Out>(out);
+  }
   Core core;
+  std::function<torch::Tensor(const torch::Tensor&)> teacher;
 };
 
 using NestedOut = std::vector<std::pair<std::string, std::vector<torch::Tensor>>>;
+
+// Which forward a call makes.
+enum class ForwardKind {
+  GRAD,        // with grad mode, one loss
+  TWO_LOSSES,  // with grad mode, a main and an auxiliary loss on the same output
+  NO_GRAD,     // under NoGradGuard
+  INFERENCE,   // under c10::InferenceMode
+};
 
 // What the fuzzer compares fsdp against. Every call mirrors one the fuzzer makes on fsdp.
 class Reference {
  public:
   virtual ~Reference() = default;
   // The global batch's mean loss for `batch` (as the mean of the ranks' slice means), keeping the
-  // graph for a later backward when `grad`.
-  virtual double forward(int64_t batch, bool grad) = 0;
-  virtual void drop_graph() = 0;  // the last forward's graph is never backwarded
+  // graph(s) for a later backward with grad mode; TWO_LOSSES returns the main loss.
+  virtual double forward(int64_t batch, ForwardKind kind) = 0;
+  virtual void drop_graph() = 0;  // the last forward's losses are never backwarded
+  virtual void drop_all_graphs() = 0;
   // Backward of the sum of the pending losses; they stay pending when `retain`.
   virtual void backward(bool retain, bool no_sync) = 0;
+  // Each pending loss backwarded on its own, in order (graphs retained until the last).
+  virtual void backward_each() = 0;
+  // Backward of the pending sum with a hook on parameter `fqn` that throws; the pending losses go.
+  virtual void backward_throwing_at(const std::string& fqn) = 0;
   virtual void zero_grad(bool set_to_none) = 0;
   virtual void step() = 0;
   virtual void clip(double max_norm) = 0;
+  virtual void toggle_frozen() = 0;
   // Parameter values and gradients by name (undefined gradient: None).
   virtual std::map<std::string, torch::Tensor> params() = 0;
   virtual std::map<std::string, torch::Tensor> grads() = 0;
 };
 
-std::unique_ptr<Reference> make_reference(bool gpt, int world_size, const std::optional<fsdp::MixedPrecision>& mp,
-                                          double lr);
+std::unique_ptr<Reference> make_reference(const Features& f, int world_size,
+                                          const std::optional<fsdp::MixedPrecision>& mp, double lr);
+// The optimizer a seed's loop uses, over `params`.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, const std::vector<torch::Tensor>& params,
+                                                        double lr);
 
 }  // namespace worker::fuzz

@@ -16,7 +16,7 @@ const std::map<std::string, Mode>& modes() {
       {"scaler", run_scaler},       {"sync", run_sync},             {"deferred", run_deferred},
       {"fuzz", run_fuzz},           {"fault", run_fault},           {"misuse", run_misuse},
       {"summon", run_summon},       {"checkpoint", run_checkpoint},
-      {"recompute", run_recompute},
+      {"recompute", run_recompute}, {"holes", run_holes},
   };
   return table;
 }

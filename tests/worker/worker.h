@@ -5,7 +5,7 @@
 //
 // Each mode is one file here, registered in main.cpp's table (as nccl-tests puts each collective
 // behind one struct): parity, accounting, structure, overlap, dynamic, precision, scaler, sync,
-// deferred, fuzz, fault, misuse, summon, checkpoint, recompute. Their flags and what they write are described at the top of each file.
+// deferred, fuzz, fault, misuse, summon, checkpoint, recompute, holes. Their flags and what they write are described at the top of each file.
 // --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
@@ -53,6 +53,7 @@ struct Args {
   std::string sequence;  // fuzz: explicit calls instead of random ones
   std::string mismatch_what = "model";  // structure: what differs on --mismatch-rank
   int calls = 12;             // fuzz: calls per sequence
+  std::string hole;           // holes: which loop (holes.cpp)
 };
 Args parse(int argc, char** argv);
 // The strategy and prefetch settings the flags ask for (no wrap policy: each mode picks its units).
@@ -132,5 +133,6 @@ json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_summon(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_checkpoint(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_recompute(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_holes(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 
 }  // namespace worker
