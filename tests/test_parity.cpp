@@ -130,6 +130,18 @@ TEST(MainJob, T5AndDHENTrainLikeLocal) {
   }
 }
 
+// Issue 24's tenth hole: the DHEN-like model through the main job at its default batch, where the
+// gradient norm passes fsdp-train's --clip 1: the clip must count the embedding rows fsdp leaves
+// alone (each rank's own, summed over the ranks: clip_grad_norm_'s model_parallel) and scale them,
+// as local training's clip does. Before, step 2 was 1.9e-5 off (rows left out of the norm).
+TEST(MainJob, DHENClipsLikeLocalTraining) {
+  const std::string common = "--model dhen-small --seed 7";
+  const auto local = main_job(common + " --local", 4).losses;
+  for (const std::string launch : {"--nproc-per-node 2 --strategy full_shard", "--nproc-per-node 4 --strategy shard_grad_op"}) {
+    expect_same_losses(main_job(common + " " + launch, 4).losses, local, 1e-6, launch);
+  }
+}
+
 // The DHEN-like model's stated target (models/click_data.h), from the README's command: dhen-small
 // at W = 2, the default global batch of 256 and AdamW, held-out loss <= 0.53 and AUC >= 0.76 within
 // 1000 steps (predicting the base rate: 0.61 and 0.5; the Bayes-optimal model: 0.47 and 0.81).

@@ -47,6 +47,10 @@ class DHENWorkload final : public Workload {
     if (mesh && mesh->world_size() > 1) return models::DHEN(cfg_, mesh->world(), mesh->rank(), mesh->world_size()).ptr();
     return models::DHEN(cfg_).ptr();
   }
+  // Each rank's rows of the tables: clipping's norm sums them over the ranks.
+  std::vector<torch::Tensor> model_parallel_parameters(torch::nn::Module& model) const override {
+    return {static_cast<models::DHENImpl&>(model).sparse->weight};
+  }
   void configure(fsdp::Options& options, torch::nn::Module& model, int64_t micro_batch, int64_t element_size,
                  bool checkpointed) const override {
     options.auto_wrap_policy = fsdp::module_type_policy<models::DHENLayerImpl>();

@@ -11,7 +11,9 @@ class LocalTrainee final : public Trainee {
   torch::Tensor forward(const std::function<torch::Tensor()>& forward) override { return forward(); }
   std::optional<c10::ScalarType> input_dtype() const override { return std::nullopt; }
   std::shared_ptr<void> no_sync() override { return nullptr; }
-  void clip_grad_norm(double max_norm) override { torch::nn::utils::clip_grad_norm_(unique_, max_norm); }
+  void clip_grad_norm(double max_norm, const std::vector<torch::Tensor>&) override {
+    torch::nn::utils::clip_grad_norm_(unique_, max_norm);  // one process holds every part
+  }
   fsdp::Metrics metrics() const override {
     fsdp::Metrics m;
     for (const auto& p : unique_) m.memory.sharded_params += p.numel() * static_cast<int64_t>(p.element_size());
@@ -42,7 +44,9 @@ class ShardedTrainee final : public Trainee {
   std::shared_ptr<void> no_sync() override {
     return std::make_shared<fsdp::FullyShardedDataParallelBase::NoSync>(fsdp_.no_sync());
   }
-  void clip_grad_norm(double max_norm) override { fsdp_.clip_grad_norm_(max_norm); }
+  void clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& model_parallel) override {
+    fsdp_.clip_grad_norm_(max_norm, model_parallel);
+  }
   fsdp::Metrics metrics() const override { return fsdp_.metrics(); }
   std::string describe() const override {
     return std::to_string(fsdp_.units().size()) + " units, strategy " + strategy_ + " F=" +

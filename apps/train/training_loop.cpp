@@ -378,7 +378,7 @@ int train(const Config& c) {
     memory["after_backward"] = to_json(fsdp::process_memory(device));
     mark("step");
     if (scaler) scaler->unscale_(*optim.adamw);
-    if (c.clip > 0) trainee->clip_grad_norm(c.clip);
+    if (c.clip > 0) trainee->clip_grad_norm(c.clip, workload->model_parallel_parameters(*model));
     if (scaler) {
       if (!scaler->step(*optim.adamw) && prints) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
       scaler->update();

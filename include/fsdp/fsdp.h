@@ -150,8 +150,12 @@ class FullyShardedDataParallelBase {
   }
 
   // Clips gradients by their exact global 2-norm (over all ranks' shards) and returns that norm.
-  // Parameters in Options::ignored_modules are the caller's and are not included.
-  double clip_grad_norm_(double max_norm);
+  // Parameters in Options::ignored_modules are the caller's: left out unless listed in
+  // `model_parallel`, the ignored parameters of which each rank holds its own part (the rows of a
+  // row-sharded table): their squares are summed over all ranks into the norm and they are scaled
+  // with the rest, so that the norm is local training's. Every rank passes its part (an empty one
+  // too). Ignored parameters every rank holds whole belong in none of the two: clip them yourself.
+  double clip_grad_norm_(double max_norm, const std::vector<at::Tensor>& model_parallel = {});
 
   Metrics metrics() const;
   // Starts a new step for metrics() and timeline().

@@ -4,7 +4,8 @@
 
 namespace fsdp {
 
-double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, double max_norm) {
+double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, double max_norm,
+                      const std::vector<at::Tensor>& model_parallel) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const Unit* u : units) {
@@ -19,6 +20,24 @@ double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, 
     InFlight f = comm.issue(CommKind::ALL_REDUCE, Over::SHARD_GROUP, -1, "the gradient norm",
                             [&] { return Buffers{sumsq, at::Tensor()}; });
     comm.wait(f);
+  }
+  if (!model_parallel.empty()) {
+    // Each rank's part is its own: the world group's sum is the whole tensors' (on the CPU, where
+    // the world group runs).
+    std::vector<at::Tensor> parts;
+    at::Tensor mp = at::zeros({1}, at::kFloat);
+    for (const auto& p : model_parallel) {
+      if (!p.grad().defined()) continue;
+      parts.push_back(p.grad());
+      mp.add_(p.grad().to(at::kFloat).pow(2).sum().to(at::kCPU));
+    }
+    if (comm.mesh().world_size > 1) {
+      InFlight f = comm.issue(CommKind::ALL_REDUCE, Over::WORLD, -1, "the model-parallel gradient norm",
+                              [&] { return Buffers{mp, at::Tensor()}; });
+      comm.wait(f);
+    }
+    sumsq.add_(mp.to(sumsq.device()));
+    grads.insert(grads.end(), parts.begin(), parts.end());
   }
   const at::Tensor total = sumsq.sqrt();
   const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);

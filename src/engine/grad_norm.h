@@ -12,6 +12,9 @@ namespace fsdp {
 // norm. Each element of a flat parameter lives on exactly one rank of its shard group (replicas
 // hold copies), so the shard group's sum of squares is the global one. A tied weight is one
 // parameter of one unit: counted once.
-double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, double max_norm);
+// `model_parallel`: tensors outside the units of which each rank holds its own part: their squares
+// are summed over the world group into the norm, and they are scaled too.
+double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, double max_norm,
+                      const std::vector<at::Tensor>& model_parallel = {});
 
 }  // namespace fsdp

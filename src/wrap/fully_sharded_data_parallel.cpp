@@ -64,7 +64,9 @@ std::vector<at::Tensor> FullyShardedDataParallelBase::parameters() const {
   return out;
 }
 
-double FullyShardedDataParallelBase::clip_grad_norm_(double max_norm) { return root_->clip_grad_norm(max_norm); }
+double FullyShardedDataParallelBase::clip_grad_norm_(double max_norm, const std::vector<at::Tensor>& model_parallel) {
+  return root_->clip_grad_norm(max_norm, model_parallel);
+}
 Metrics FullyShardedDataParallelBase::metrics() const { return root_->metrics(); }
 void FullyShardedDataParallelBase::reset_step() { root_->reset_step(); }
 std::vector<UnitInfo> FullyShardedDataParallelBase::units() const { return root_->units(); }

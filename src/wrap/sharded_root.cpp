@@ -148,14 +148,22 @@ void ShardedRoot::reset_step() {
   ++step_;
 }
 
-double ShardedRoot::clip_grad_norm(double max_norm) {
+double ShardedRoot::clip_grad_norm(double max_norm, const std::vector<at::Tensor>& model_parallel) {
   runtime_->check_not_failed();
   TORCH_CHECK(runtime_->at_rest(), "fsdp: clip_grad_norm_ must be called after backward, before the optimizer step, "
                                    "not between a forward and its backward");
   runtime_->check_no_unreduced_gradients("clip_grad_norm_");
   std::vector<const Unit*> units;
   for (const auto& u : units_) units.push_back(u.get());
-  return fsdp::clip_grad_norm(units, *comm_, max_norm);
+  for (const auto& p : model_parallel) {
+    if (!ignored_.count(p.unsafeGetTensorImpl())) {
+      throw std::invalid_argument(
+          "fsdp: clip_grad_norm_: a tensor listed as model-parallel is not among the parameters fsdp ignores "
+          "(Options::ignored_modules / ignored_parameters): fsdp's own parameters are counted already, so listing "
+          "one would count it twice. List only the ignored parameters each rank holds its own part of.");
+    }
+  }
+  return fsdp::clip_grad_norm(units, *comm_, max_norm, model_parallel);
 }
 
 void ShardedRoot::summon(bool rank0_only, bool writeback) {

@@ -30,7 +30,7 @@ class ShardedRoot {
 
   Metrics metrics() const;
   void reset_step();
-  double clip_grad_norm(double max_norm);
+  double clip_grad_norm(double max_norm, const std::vector<at::Tensor>& model_parallel);
   void summon(bool rank0_only, bool writeback);
   void end_summon(bool writeback);
   std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;

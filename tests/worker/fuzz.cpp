@@ -115,6 +115,9 @@ Features draw_features(std::mt19937_64& rng, bool mixed_precision) {
   // refused, holes.cpp tests that; the teacher's own casts have no replay).
   f.max_norm = f.gpt && !mixed_precision && rng() % 3 == 0;
   f.teacher = f.gpt && !mixed_precision && rng() % 4 == 0;
+  // The DHEN-like model, its rows outside fsdp: fp32 (fsdp casts none of the rows it ignores,
+  // which the replay's working copies would).
+  f.dhen = !f.gpt && !mixed_precision && rng() % 2 == 0;
   return f;
 }
 
@@ -136,8 +139,9 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
   // Mixed precision against the same loop in fp32: the stated tolerance of bf16 compute.
   const Tolerance fp32_loss_tol{5e-2, 3e-2};
 
-  auto net = std::make_shared<FuzzNetImpl<Out>>(features);
+  auto net = std::make_shared<FuzzNetImpl<Out>>(features, mesh);
   opts.auto_wrap_policy = net->core.policy();
+  opts.ignored_modules = net->core.ignored();
   opts.mixed_precision = mp;
   // A teacher wrapped on its own, called inside the student's forward (nested roots).
   std::optional<Core> teacher_core;
@@ -289,9 +293,11 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
         }
         case Call::CLIP:
           if (unsynced) {
-            expect_refusal([&] { sharded.clip_grad_norm_(0.05); }, "clip_grad_norm_ after no_sync", "no_sync");
+            expect_refusal([&] { sharded.clip_grad_norm_(0.05, net->core.model_parallel()); },
+                           "clip_grad_norm_ after no_sync", "no_sync");
           } else {
-            sharded.clip_grad_norm_(0.05);
+            // The DHEN's rows are outside fsdp: the norm counts them as model-parallel.
+            sharded.clip_grad_norm_(0.05, net->core.model_parallel());
             refs([&](Reference& r) { r.clip(0.05); });
           }
           break;
@@ -329,7 +335,10 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
           // A hook on a parameter that will get a gradient (drawn among those requiring one).
           std::vector<std::string> names;
           for (auto& [name, p] : unique_params(*net)) {
-            if (p.requires_grad() && name.rfind("core.", 0) == 0 && name.find("unused") == std::string::npos) names.push_back(name);
+            if (p.requires_grad() && name.rfind("core.", 0) == 0 && name.find("unused") == std::string::npos &&
+                name.find("sparse") == std::string::npos) {
+              names.push_back(name);
+            }
           }
           const std::string fqn = names[rng() % names.size()];
           s.calls << " (at " << fqn << ")";
@@ -409,6 +418,15 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
           compare(s, "parameter", unit.fqns[i], mine[unit.fqns[i]], ref_params.at(unit.fqns[i]), slice, tol);
           compare(s, "gradient", unit.fqns[i], mine[unit.fqns[i]].grad(), ref_grads.at(unit.fqns[i]), slice, tol);
         }
+      }
+      // The DHEN's rows this rank holds, against the same rows of the reference's whole table.
+      const auto [row_begin, rows] = net->core.rows();
+      if (rows > 0) {
+        const fsdp::ShardSlice whole{0, 0, rows * ref_params.at("core.sparse.weight").size(1)};
+        const torch::Tensor p = net->core.model_parallel()[0];
+        auto ref_rows = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, row_begin, rows) : t; };
+        compare(s, "parameter", "core.sparse.weight (this rank's rows)", p, ref_rows(ref_params.at("core.sparse.weight")), whole, tol);
+        compare(s, "gradient", "core.sparse.weight (this rank's rows)", p.grad(), ref_rows(ref_grads.at("core.sparse.weight")), whole, tol);
       }
     }
     if (!s.failure.empty()) s.failure = "after call " + std::to_string(c) + " (" + name_of(call) + "): " + s.failure;

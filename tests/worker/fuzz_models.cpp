@@ -5,7 +5,7 @@
 namespace worker::fuzz {
 
 std::string Features::describe() const {
-  std::string s = gpt ? "tiny GPT" : "uneven net";
+  std::string s = dhen ? "tiny DHEN (rows outside fsdp)" : gpt ? "tiny GPT" : "uneven net";
   s += ", " + optimizer;
   if (max_norm) s += ", max_norm embedding";
   if (frozen_block) s += ", frozen block";
@@ -13,37 +13,80 @@ std::string Features::describe() const {
   return s;
 }
 
+namespace {
+const models::DHENConfig& dhen_config() {
+  static const models::DHENConfig cfg = models::DHENConfig::preset("dhen-tiny");
+  return cfg;
+}
+models::DHENImpl& dhen_of(const std::shared_ptr<torch::nn::Module>& m) { return *std::dynamic_pointer_cast<models::DHENImpl>(m); }
+}  // namespace
+
 torch::Tensor Core::run(const torch::Tensor& x) const {
+  if (dhen) {
+    // Dense features and ids side by side in one float tensor (ids below 2^24 are exact).
+    const int64_t n_dense = dhen_config().n_dense;
+    return dhen_of(module).forward(x.narrow(1, 0, n_dense), x.narrow(1, n_dense, x.size(1) - n_dense).to(torch::kLong));
+  }
   return gpt ? std::dynamic_pointer_cast<models::GPTImpl>(module)->forward(x)
              : std::dynamic_pointer_cast<models::UnevenNetImpl>(module)->forward(x);
 }
 
 std::pair<torch::Tensor, torch::Tensor> Core::data(int64_t batch, int64_t begin, int64_t end) const {
+  if (dhen) {
+    static const models::ClickData clicks(dhen_config(), 3);
+    auto [dense, ids, labels] = clicks.batch(batch, kGlobalBatch, begin, end);
+    return {torch::cat({dense, ids.to(torch::kFloat)}, 1).to(g_device), labels.to(g_device)};
+  }
   if (!gpt) return uneven_batch(batch, begin, end);
   auto [x, y] = corpus().batch(batch, kGlobalBatch, models::GPTConfig::preset("tiny").block_size, 11, begin, end);
   return {x.to(g_device), y.to(g_device)};
 }
 
 torch::Tensor Core::loss(const torch::Tensor& out, const torch::Tensor& target) const {
+  if (dhen) return models::click_loss(out.to(torch::kFloat), target);
   return gpt ? models::lm_loss(out.to(torch::kFloat), target) : torch::mse_loss(out.to(torch::kFloat), target);
 }
 
 torch::Tensor Core::aux_loss(const torch::Tensor& out) const { return out.to(torch::kFloat).square().mean() * 0.01; }
 
 fsdp::WrapPolicy Core::policy() const {
+  if (dhen) return fsdp::module_type_policy<models::DHENLayerImpl>();
   return gpt ? fsdp::module_type_policy<models::BlockImpl>() : fsdp::module_type_policy<torch::nn::LinearImpl>();
 }
 
+std::vector<std::shared_ptr<torch::nn::Module>> Core::ignored() const {
+  if (!dhen) return {};
+  return {dhen_of(module).sparse.ptr()};
+}
+
+std::vector<torch::Tensor> Core::model_parallel() const {
+  if (!dhen) return {};
+  return {dhen_of(module).sparse->weight};
+}
+
+std::pair<int64_t, int64_t> Core::rows() const {
+  if (!dhen) return {0, 0};
+  return {dhen_of(module).sparse->row_begin(), dhen_of(module).sparse->local_rows()};
+}
+
 torch::nn::Module& Core::toggle_module() const {
+  if (dhen) return *dhen_of(module).layers[0];
   if (gpt) return *std::dynamic_pointer_cast<models::GPTImpl>(module)->blocks[0];
   return *std::dynamic_pointer_cast<models::UnevenNetImpl>(module)->c;
 }
 
-Core make_core(const Features& f, uint64_t seed) {
+Core make_core(const Features& f, uint64_t seed, const std::shared_ptr<fsdp::Mesh>& mesh) {
   torch::manual_seed(seed);
   Core c;
-  c.gpt = f.gpt;
-  if (f.gpt) {
+  c.gpt = f.gpt && !f.dhen;
+  c.dhen = f.dhen;
+  if (f.dhen) {
+    if (mesh && mesh->world_size() > 1) {
+      c.module = models::DHEN(dhen_config(), mesh->world(), mesh->rank(), mesh->world_size()).ptr();
+    } else {
+      c.module = models::DHEN(dhen_config()).ptr();
+    }
+  } else if (f.gpt) {
     auto gpt = models::GPT(models::GPTConfig::preset("tiny"));
     if (f.max_norm && seed == 0) gpt->tok_emb->options.max_norm(0.1);  // below the initial rows' norms (about 0.11)
     c.module = gpt.ptr();

@@ -30,6 +30,9 @@ namespace worker::fuzz {
 // What a seed's model and loop are made of, beyond the calls.
 struct Features {
   bool gpt = true;
+  // The tiny DHEN-like model instead: its embedding rows sharded across the ranks outside fsdp
+  // (Options::ignored_modules, the rows' own all-to-all), which clipping's norm must count.
+  bool dhen = false;
   std::string optimizer = "sgd";  // sgd (momentum 0.9), adam, adamw
   bool max_norm = false;          // GPT: tok_emb renormalizes the rows it reads (max_norm 0.1) in forward
   bool frozen_block = false;      // the toggle module starts frozen (requires_grad false at wrapping)
@@ -40,6 +43,7 @@ struct Features {
 // The network inside every FuzzNet, and what its loss is.
 struct Core {
   bool gpt = true;
+  bool dhen = false;
   std::shared_ptr<torch::nn::Module> module;
   torch::Tensor run(const torch::Tensor& x) const;
   // Inputs and targets of rows [begin, end) of global batch `batch`.
@@ -48,11 +52,18 @@ struct Core {
   // A second loss on the same output (a second tower's, an auxiliary term).
   torch::Tensor aux_loss(const torch::Tensor& out) const;
   fsdp::WrapPolicy policy() const;
-  // The module a loop freezes and unfreezes (a unit: the GPT's first block, the uneven net's c).
+  // The module a loop freezes and unfreezes (a unit: the GPT's first block, the uneven net's c, the
+  // DHEN's first layer).
   torch::nn::Module& toggle_module() const;
+  // The DHEN's rows outside fsdp (fsdp leaves them alone; clipping counts them); none otherwise.
+  std::vector<std::shared_ptr<torch::nn::Module>> ignored() const;
+  std::vector<torch::Tensor> model_parallel() const;
+  // This rank's rows of the DHEN's table as [first row, count]; {0, 0} otherwise.
+  std::pair<int64_t, int64_t> rows() const;
 };
-// Built from torch::manual_seed(seed): 0 for the model, 1 for a teacher.
-Core make_core(const Features& f, uint64_t seed = 0);
+// Built from torch::manual_seed(seed): 0 for the model, 1 for a teacher. `mesh`: the ranks the
+// DHEN's rows are sharded over (null: one process holds the whole table, as the references do).
+Core make_core(const Features& f, uint64_t seed = 0, const std::shared_ptr<fsdp::Mesh>& mesh = nullptr);
 // The teacher's logits, detached and scaled, that a student's output adds (both sides alike).
 torch::Tensor with_teacher(const torch::Tensor& student, const torch::Tensor& teacher_logits);
 
@@ -107,7 +118,9 @@ torch::Tensor unpack(const Out& o) {
 
 template <typename Out>
 struct FuzzNetImpl : torch::nn::Module {
-  explicit FuzzNetImpl(const Features& f) : core(make_core(f)) { register_module("core", core.module); }
+  FuzzNetImpl(const Features& f, const std::shared_ptr<fsdp::Mesh>& mesh) : core(make_core(f, 0, mesh)) {
+    register_module("core", core.module);
+  }
   // `teacher`: the teacher's logits for x (a nested wrapped model's forward), or null.
   Out forward(const torch::Tensor& x) {
     torch::Tensor out = core.run(x);
