@@ -377,6 +377,7 @@ void Runtime::drain_ready_queue() {
 void Runtime::abort_backward() noexcept {
   if (phase_ != Phase::BACKWARD || !failure_.empty()) return;  // a failure is final already
   drain_pending_ = true;
+  refuse_at_end_.clear();  // the caller gets the backward's own exception
   try {
     // What the backward accumulated up to the exception is reduced, as its end would have.
     finish_backward();

@@ -280,7 +280,11 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
           break;
         case Call::BACKWARD_EACH:
           refs([&](Reference& r) { r.backward_each(); });
-          for (size_t i = 0; i < pending.size(); ++i) pending[i].backward({}, i + 1 < pending.size());
+          {
+            // Without retain_graph between forwards: each forward's graph is backwarded once.
+            const std::vector<bool> retain = retain_for_each(pending_forwards);
+            for (size_t i = 0; i < pending.size(); ++i) pending[i].backward({}, retain[i]);
+          }
           drop_pending();
           unsynced = false;
           break;

@@ -4,6 +4,14 @@
 
 namespace worker::fuzz {
 
+std::vector<bool> retain_for_each(const std::vector<int>& per_forward) {
+  std::vector<bool> retain;
+  for (int n : per_forward) {
+    for (int i = 0; i < n; ++i) retain.push_back(i + 1 < n);
+  }
+  return retain;
+}
+
 std::string Features::describe() const {
   std::string s = dhen ? "tiny DHEN (rows outside fsdp)" : gpt ? "tiny GPT" : "uneven net";
   s += ", " + optimizer;
@@ -205,7 +213,8 @@ class LocalReference final : public Reference {
     if (!retain) drop_all_graphs();
   }
   void backward_each() override {
-    for (size_t i = 0; i < pending_.size(); ++i) pending_[i].backward({}, /*retain_graph=*/i + 1 < pending_.size());
+    const std::vector<bool> retain = retain_for_each(forwards_);
+    for (size_t i = 0; i < pending_.size(); ++i) pending_[i].backward({}, retain[i]);
     drop_all_graphs();
   }
   void backward_throwing_at(const std::string& fqn) override {
@@ -293,8 +302,9 @@ class ReplayReference final : public Reference {
   void backward_each() override {
     // fsdp reduces after each backward: replay each as a backward of its own.
     const size_t n = pending_[0].size();
+    const std::vector<bool> retain = retain_for_each(forwards_);
     for (size_t i = 0; i < n; ++i) {
-      run_backward(false, [&](std::vector<torch::Tensor>& pend, int) { pend[i].backward({}, i + 1 < n); });
+      run_backward(false, [&](std::vector<torch::Tensor>& pend, int) { pend[i].backward({}, retain[i]); });
     }
     drop_all_graphs();
   }

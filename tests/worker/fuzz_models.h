@@ -27,6 +27,11 @@
 
 namespace worker::fuzz {
 
+// For each of `losses` pending losses, left by forwards that left `per_forward` each (in order):
+// whether its backward must retain the graph (a later loss of the same forward still needs it).
+// Losses of different forwards are backwarded without it: each forward's graph is its own.
+std::vector<bool> retain_for_each(const std::vector<int>& per_forward);
+
 // What a seed's model and loop are made of, beyond the calls.
 struct Features {
   bool gpt = true;
@@ -123,8 +128,11 @@ struct FuzzNetImpl : torch::nn::Module {
   }
   // `teacher`: the teacher's logits for x (a nested wrapped model's forward), or null.
   Out forward(const torch::Tensor& x) {
+    // The teacher first: the student's own operators must still reach fsdp after a nested root's
+    // forward has ended.
+    const torch::Tensor t = teacher ? teacher(x) : torch::Tensor();
     torch::Tensor out = core.run(x);
-    if (teacher) out = with_teacher(out, teacher(x));
+    if (teacher) out = with_teacher(out, t);
     return pack<Out>(out);
   }
   Core core;
