@@ -34,7 +34,9 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   // backward keeps, is laid out [B, T, H, hd], so the attention's output before proj is that
   // very tensor (the reshape is a view), counted above.
   const int64_t attention = fused_attention ? batch * n_head * T * 4 / element_size : batch * n_head * T * T;
-  const int64_t per_block = 16 * tokens * d + attention;
+  // Dropout keeps a one-byte mask of each of its two outputs.
+  const int64_t masks = dropout > 0 ? (2 * tokens * d + element_size - 1) / element_size : 0;
+  const int64_t per_block = 16 * tokens * d + attention + masks;
   // The embeddings' sum (the first block's input), tokens x d, and the head's peak.
   const int64_t head = head_activation_bytes(batch, seq_len, element_size);
   // Checkpointed blocks keep only their input (the previous block's output, counted already), and
@@ -112,7 +114,8 @@ MLPImpl::MLPImpl(int64_t d_model) {
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return proj(torch::gelu(fc(x))); }
 
-BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention) {
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention, double dropout_) : dropout(dropout_) {
+  TORCH_CHECK(dropout >= 0 && dropout < 1, "GPT dropout must be in [0, 1), got ", dropout);
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
   attn = register_module("attn", CausalSelfAttention(d_model, n_head, fused_attention));
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
@@ -120,8 +123,9 @@ BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention) {
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
-  auto h = x + attn(ln1(x));
-  return h + mlp(ln2(h));
+  auto drop = [&](const torch::Tensor& t) { return dropout > 0 ? torch::dropout(t, dropout, is_training()) : t; };
+  auto h = x + drop(attn(ln1(x)));
+  return h + drop(mlp(ln2(h)));
 }
 
 TiedLMHeadImpl::TiedLMHeadImpl(torch::Tensor tied_weight) {
@@ -141,7 +145,7 @@ GPTImpl::GPTImpl(const GPTConfig& c) : cfg(c) {
   tok_emb = register_module("tok_emb", torch::nn::Embedding(cfg.vocab_size, cfg.d_model));
   pos_emb = register_module("pos_emb", torch::nn::Embedding(cfg.block_size, cfg.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(Block(cfg.d_model, cfg.n_head, cfg.fused_attention));
+  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(Block(cfg.d_model, cfg.n_head, cfg.fused_attention, cfg.dropout));
   ln_f = register_module("ln_f",
                          torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.d_model})));
   head = register_module("head", TiedLMHead(tok_emb->weight));

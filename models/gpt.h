@@ -20,6 +20,9 @@ struct GPTConfig {
   // kernels on CUDA, a fused kernel on CPU: the T x T scores are never stored). false: written out
   // (matmul, masked_fill, softmax, matmul), the reference it is checked against.
   bool fused_attention = true;
+  // Dropout on each block's attention and MLP outputs (before the residual add), as GPT-2 has it;
+  // 0 (the default) draws nothing from the random number generator.
+  double dropout = 0.0;
 
   // Analytic parameter count of GPT(*this); the tied embedding/head weight is counted once.
   int64_t num_parameters() const;
@@ -57,8 +60,10 @@ struct MLPImpl : torch::nn::Module {
 TORCH_MODULE(MLP);
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention = true);
+  BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention = true, double dropout = 0.0);
   torch::Tensor forward(const torch::Tensor& x);
+
+  double dropout;  // GPTConfig::dropout
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};

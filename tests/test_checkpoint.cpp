@@ -120,6 +120,11 @@ std::vector<ResumeCase> resume_cases() {
   out.push_back({"full_shard_local_kind", "--nproc-per-node 2 --checkpoint-kind local"});
   out.push_back({"full_shard_full_kind", "--nproc-per-node 2 --checkpoint-kind full"});
   out.push_back({"full_shard_async", "--nproc-per-node 2 --async-save"});
+  // Dropout draws from each rank's generator: bit-exact only if the checkpoint restores them (with
+  // dropout off nothing draws, and a restore that did nothing would pass every other case).
+  out.push_back({"full_shard_dropout", "--nproc-per-node 2 --dropout 0.2"});
+  out.push_back({"hybrid_shard_dropout_checkpointed", "--nproc-per-node 4 --shard-size 2 --strategy hybrid_shard "
+                                                      "--dropout 0.2 --activation-checkpointing"});
   return out;
 }
 

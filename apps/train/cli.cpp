@@ -55,6 +55,11 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--attention", c.attention,
                  "fused (at::scaled_dot_product_attention) or reference (written out: matmul, masked_fill, softmax, matmul)")
       ->check(CLI::IsMember({"fused", "reference"}));
+  app.add_option("--dropout", c.dropout,
+                 "dropout probability in the model (GPT: each block's attention and MLP outputs; T5: its layers; "
+                 "DHEN: each layer's mix); default 0: none. Each rank draws its masks from its own generator, saved "
+                 "and restored with checkpoints")
+      ->check(CLI::Range(0.0, 0.95));
   app.add_option("--mixed-precision", c.mixed_precision, "none, bf16 or fp16 (fp16 adds the sharded gradient scaler)")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_flag("--sync-module-states", c.sync_module_states, "broadcast rank 0's initial weights to every rank");
@@ -131,6 +136,7 @@ models::GPTConfig model_config(const Config& c, const models::TokenSource& data)
   cfg.vocab_size = std::max<int64_t>(cfg.vocab_size, data.vocab_size());
   if (c.block_size > 0) cfg.block_size = c.block_size;
   cfg.fused_attention = c.attention == "fused";
+  cfg.dropout = c.dropout;
   return cfg;
 }
 

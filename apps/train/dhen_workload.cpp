@@ -16,10 +16,15 @@ namespace {
 // The held-out sample the Bayes-optimal figures are computed on.
 constexpr int64_t kStatsSamples = 65536;
 
+models::DHENConfig with_dropout(models::DHENConfig cfg, double dropout) {
+  cfg.dropout = dropout;
+  return cfg;
+}
+
 class DHENWorkload final : public Workload {
  public:
   explicit DHENWorkload(const Config& c)
-      : cfg_(models::DHENConfig::preset(c.model)), data_(cfg_, c.seed), name_(c.model) {
+      : cfg_(with_dropout(models::DHENConfig::preset(c.model), c.dropout)), data_(cfg_, c.seed), name_(c.model) {
     if (c.data != models::kDefaultCorpus) {
       throw std::invalid_argument("--data: " + c.model + " trains on synthetic clicks (models/click_data.h), not on "
                                   "a corpus; drop --data");

@@ -13,6 +13,7 @@ std::optional<TextSample> sample_text(const Config& c, const Workload& workload,
   const int64_t context = workload.text_context();
   if (c.sample_tokens == 0 || context == 0) return std::nullopt;
   if (c.prompt.empty()) throw std::invalid_argument("--prompt is empty: give the text the sample starts from");
+  model.eval();  // generation runs without dropout
   const bool root = mesh.rank() == 0;
   models::SamplingOptions options;
   options.tokens = c.sample_tokens;

@@ -243,6 +243,9 @@ int train(const Config& c) {
   Optimizer optim = make_optimizer(*model, c);  // after sharding: it steps this rank's shards
   if (c.local) trainee = local_trainee(model, optim.unique_params);
   if (c.ddp_baseline) trainee = ddp_trainee(model, mesh, optim.unique_params);
+  // Dropout draws each rank's masks from its own stream (the same seed would give every rank the
+  // same masks for its part of the batch); checkpoints save and restore each rank's generator.
+  if (c.dropout > 0) torch::manual_seed(c.seed * 1000003ull + static_cast<uint64_t>(rank) + 1);
   const fsdp::ProcessMemory constructed = fsdp::process_memory(device);
 
   // Checkpoints: weights from a file, a resumed run, and the checkpointer for this one.
@@ -262,17 +265,26 @@ int train(const Config& c) {
   fsdp::FullyShardedDataParallelBase* wrapped = trainee->wrapped();
   fsdp::ShardedGradScaler* scaler_ptr = scaler ? &*scaler : nullptr;
   if (!c.load_weights.empty()) fsdp::load_model_file(c.load_weights, *wrapped);
+  // The checkpointer first: it locks the folder, so a second job saving there stops here, before
+  // it loads or trains anything.
+  std::unique_ptr<fsdp::Checkpointer> checkpointer;
+  if (!save_dir.empty()) {
+    fsdp::CheckpointOptions co;
+    co.kind = fsdp::parse_state_dict_kind(c.checkpoint_kind);
+    co.keep_last = c.keep_last;
+    co.async = c.async_save;
+    checkpointer = std::make_unique<fsdp::Checkpointer>(mesh, save_dir, co);
+  }
+
   int start_step = 0;
   if (!c.resume.empty()) {
-    std::string path = c.resume;
-    if (!std::ifstream(path + "/manifest.json")) {
-      auto latest = fsdp::latest_checkpoint(path);
-      if (!latest) {
-        throw std::invalid_argument("--resume " + path + ": neither a checkpoint (no manifest.json) nor a folder of "
-                                    "checkpoints (no complete step-N/ inside)");
-      }
-      path = *latest;
+    // Rank 0 decides which checkpoint --resume names; every rank loads that one.
+    const auto found = fsdp::find_checkpoint(*mesh, c.resume);
+    if (!found) {
+      throw std::invalid_argument("--resume " + c.resume + ": neither a checkpoint (no manifest.json) nor a folder of "
+                                  "checkpoints (no complete, undamaged step-N/ inside)");
     }
+    const std::string path = *found;
     const auto l0 = std::chrono::steady_clock::now();
     const fsdp::TrainingState resumed = fsdp::load_checkpoint(path, *wrapped, optim.adamw.get(), scaler_ptr);
     const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
@@ -291,15 +303,6 @@ int train(const Config& c) {
       }
     }
   }
-  std::unique_ptr<fsdp::Checkpointer> checkpointer;
-  if (!save_dir.empty()) {
-    fsdp::CheckpointOptions co;
-    co.kind = fsdp::parse_state_dict_kind(c.checkpoint_kind);
-    co.keep_last = c.keep_last;
-    co.async = c.async_save;
-    checkpointer = std::make_unique<fsdp::Checkpointer>(mesh, save_dir, co);
-  }
-
   if (prints) {
     std::cout << "fsdp-train: " << workload->name() << " " << workload->num_parameters() << " parameters, "
               << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch "
@@ -317,6 +320,13 @@ int train(const Config& c) {
   // gathered stays behind) and what else the workload evaluates (the DHEN's AUC).
   auto evaluate = [&](int step) {
     torch::NoGradGuard no_grad;
+    // Held out: without dropout, drawing nothing from the generators (the training steps' masks
+    // do not depend on when evaluations ran).
+    model->eval();
+    struct BackToTraining {
+      torch::nn::Module& m;
+      ~BackToTraining() { m.train(); }
+    } back{*model};
     const int64_t eval_n = workload->eval_samples(c.global_batch), eval_per_rank = eval_n / W;
     const Batch held_out = on_device(
         workload->batch(-1 - step, eval_n, c.seed, rank * eval_per_rank, (rank + 1) * eval_per_rank), device);

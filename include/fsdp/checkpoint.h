@@ -56,7 +56,13 @@ class Checkpointer {
  public:
   // `dir` holds checkpoints step-00000010/, step-00000020/, ...; it must be one folder that every
   // rank sees (a shared file system when ranks are on several hosts). Collective: every rank
-  // constructs one, in the same order.
+  // constructs one, in the same order. One job per folder: the checkpointer locks it (dir/.lock)
+  // for its life and throws on every rank, naming the holder, when another job holds it; a
+  // crashed job's lock goes with its process.
+  //
+  // A save at step S moves complete checkpoints at steps >= S that this checkpointer did not write
+  // (those of a run this one was resumed away from) to dir/abandoned-<time>/, with a warning:
+  // keep-last and latest() then see only this run's checkpoints.
   Checkpointer(std::shared_ptr<Mesh> mesh, std::string dir, CheckpointOptions options = {});
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
@@ -68,7 +74,8 @@ class Checkpointer {
                    const TrainingState& state, const ShardedGradScaler* scaler = nullptr);
   // Waits until the last asynchronous save is committed; throws its error if it failed.
   void wait();
-  // The newest complete checkpoint under the folder, if any.
+  // Collective. The newest complete checkpoint under the folder that is not damaged, if any
+  // (damaged newer ones are skipped with a warning), decided by rank 0: every rank gets the same.
   std::optional<std::string> latest() const;
   const std::string& dir() const { return dir_; }
 
@@ -78,13 +85,21 @@ class Checkpointer {
   std::string dir_;
 };
 
-// The newest complete checkpoint (step-N folder with its manifest) under `dir`, if any.
+// The newest complete, undamaged checkpoint (step-N folder with its manifest) under `dir`, if any,
+// as this process sees it; damaged newer ones are skipped with a warning. Not collective: ranks
+// that must agree use find_checkpoint or Checkpointer::latest.
 std::optional<std::string> latest_checkpoint(const std::string& dir);
+
+// Collective. What `path` names for every rank: `path` itself when it is a checkpoint (holds a
+// manifest.json), else the newest good checkpoint under it; nullopt when neither. Rank 0 decides.
+std::optional<std::string> find_checkpoint(Mesh& mesh, const std::string& path);
 
 // Collective. Loads checkpoint folder `path` (any kind) into `model` and, when given, `optimizer`
 // and `scaler`; restores each rank's random number generators when the world size is the same.
-// Returns the training state saved with it. Throws, naming the file and the problem, with nothing
-// changed on any rank when any rank cannot load all of it.
+// Returns the training state saved with it. The manifest is checked against its checksum and a
+// schema, every rank checks it read the same one, and everything (weights, optimizer state,
+// scaler, generators) is read and checked before anything changes: it throws, naming the file,
+// the field and the problem, with nothing changed on any rank when any rank cannot load all of it.
 TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelBase& model,
                               torch::optim::Optimizer* optimizer = nullptr, ShardedGradScaler* scaler = nullptr);
 

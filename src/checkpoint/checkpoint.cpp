@@ -8,26 +8,34 @@
 //   WRITE    each rank writes and fsyncs its files (FULL: rank 0, gathering one unit at a time)
 //   GATHER   every rank's part (pieces, files with sizes and CRC-32C, RNG state, error if any)
 //            reaches rank 0
-//   COMMIT   rank 0 writes and fsyncs manifest.json, renames .tmp-step-N to step-N and syncs the
-//            folder; only then is the checkpoint visible; then keep-last deletes the oldest
+//   COMMIT   rank 0 writes and fsyncs manifest.json (with its own checksum), moves an abandoned
+//            run's newer checkpoints aside, puts .tmp-step-N in place as step-N (an atomic
+//            exchange when step-N exists) and syncs the folder; only then is the checkpoint
+//            visible; then keep-last deletes the oldest
+//   The whole time, rank 0 holds the folder's lock (checkpoint_folder.h): one job per folder.
 //   RESULT   rank 0's outcome reaches every rank: a failure anywhere fails the save everywhere
 // A rank that dies before COMMIT leaves only a .tmp folder: the previous checkpoints are untouched.
 #include "fsdp/checkpoint.h"
 
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 #include <torch/serialize.h>
 
+#include "checkpoint/checkpoint_folder.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/file_system.h"
+#include "checkpoint/manifest.h"
 #include "comm/mesh_state.h"
 #include "checkpoint/safetensors.h"
 #include "wrap/sharded_root.h"
@@ -35,12 +43,6 @@
 
 namespace fsdp {
 namespace {
-
-std::string step_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "step-%08lld", static_cast<long long>(step));
-  return buf;
-}
 
 std::string hex(const at::Tensor& bytes) {
   static const char* digits = "0123456789abcdef";
@@ -53,6 +55,8 @@ std::string hex(const at::Tensor& bytes) {
   }
   return out;
 }
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
 at::Tensor unhex(const std::string& text) {
   at::Tensor out = at::empty({static_cast<int64_t>(text.size() / 2)}, at::kByte);
@@ -79,18 +83,38 @@ nlohmann::json rng_state() {
   return out;
 }
 
-void set_rng_state(const nlohmann::json& j) {
-  if (j.contains("cpu")) {
-    at::Generator g = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(g.mutex());
-    g.set_state(unhex(j["cpu"].get<std::string>()));
+// A rank's saved generator states, checked by setting them on clones of the generators (a state of
+// the wrong size or version throws here, while nothing has changed), applied only after every rank
+// has checked its own.
+struct StagedRng {
+  std::vector<std::pair<at::Generator, at::Tensor>> states;
+
+  static StagedRng check(const nlohmann::json& j, const std::string& origin) {
+    StagedRng out;
+    auto stage = [&](const char* name, at::Generator g) {
+      if (!j.contains(name)) return;
+      at::Tensor state = unhex(j[name].get<std::string>());
+      try {
+        at::Generator probe = g.clone();
+        probe.set_state(state);
+      } catch (const std::exception& e) {
+        throw std::runtime_error("fsdp: cannot load " + origin + ": its " + name + " random number generator state does "
+                                 "not fit this build of libtorch (" + first_line(e.what()) + ")");
+      }
+      out.states.emplace_back(std::move(g), std::move(state));
+    };
+    stage("cpu", at::detail::getDefaultCPUGenerator());
+    if (at::hasCUDA()) stage("cuda", at::globalContext().defaultGenerator(c10::Device(c10::kCUDA)));
+    return out;
   }
-  if (j.contains("cuda") && at::hasCUDA()) {
-    at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA));
-    std::lock_guard<std::mutex> lock(g.mutex());
-    g.set_state(unhex(j["cuda"].get<std::string>()));
+
+  void apply() {
+    for (auto& [g, state] : states) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(state);
+    }
   }
-}
+};
 
 // Every rank's error (empty: none); throws on every rank, naming the first rank that failed, when
 // any did. Every rank calls it at the same point, so a failure on one rank cannot leave the others
@@ -104,7 +128,22 @@ void agree(const GroupPtr& group, const std::string& mine, const std::string& wh
   }
 }
 
-std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+// Which checkpoint `path` means (itself when it holds a manifest, else the newest good one under
+// it), decided by rank 0 alone and sent to every rank: ranks that looked on their own could see
+// different folders (a commit landing between their listings, a network file system's cache).
+std::optional<std::string> decided_by_rank0(const GroupPtr& group, const std::string& path) {
+  std::string mine;
+  if (group->getRank() == 0) {
+    if (path_exists(path + "/manifest.json")) {
+      mine = "=" + path;
+    } else if (auto found = latest_checkpoint(path)) {
+      mine = "=" + *found;
+    }
+  }
+  const std::string decided = all_gather_strings(group, mine).at(0);
+  if (decided.empty()) return std::nullopt;
+  return decided.substr(1);
+}
 
 template <typename Fn>
 std::string error_of(Fn&& fn) {
@@ -117,27 +156,12 @@ std::string error_of(Fn&& fn) {
   }
 }
 
-// Complete checkpoints under `dir`, oldest first.
-std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& dir) {
-  std::vector<std::pair<int64_t, std::string>> out;
-  for (const std::string& name : list_directory(dir)) {
-    const std::string path = dir + "/" + name;
-    if (name.rfind("step-", 0) != 0 || !is_directory(path) || !path_exists(path + "/manifest.json")) continue;
-    try {
-      out.emplace_back(std::stoll(name.substr(5)), path);
-    } catch (const std::exception&) {
-    }
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 // What a manifest says besides the pieces: the same on every rank (rank 0's is written).
 nlohmann::json manifest_base(detail::ShardedRoot& root, StateDictKind kind, const RankState& state,
                              const TrainingState& training, const ShardedGradScaler* scaler) {
   nlohmann::json m;
   m["format"] = "fsdp-checkpoint";
-  m["version"] = 1;
+  m["version"] = kManifestVersion;
   m["kind"] = to_string(kind);
   m["step"] = training.step;
   m["world_size"] = root.comm().mesh().world_size;
@@ -166,8 +190,9 @@ void write_manifest(const std::string& folder, const nlohmann::json& m) {
   const std::string path = folder + "/manifest.json";
   {
     std::ofstream out(path);
-    out << m.dump(1) << "\n";
-    if (!out) throw std::runtime_error("fsdp: cannot write " + path);
+    out << manifest_text(m);
+    out.flush();
+    if (!out) throw std::runtime_error("fsdp: cannot write " + path + ": " + std::strerror(errno));
   }
   fsync_path(path);
 }
@@ -196,6 +221,8 @@ struct Checkpointer::Impl {
   GroupPtr group;  // this checkpointer's own: its collectives may run on the save thread
   std::thread writer;
   std::string error;  // the last asynchronous save's, until wait() reports it
+  std::unique_ptr<FolderLock> lock;  // rank 0's, for the checkpointer's life
+  std::set<int64_t> committed;        // rank 0: the steps this checkpointer saved
   // Asynchronous saves' host copy, one buffer per dtype, kept from save to save: the next save
   // waits for the previous write, so it can reuse the memory (already faulted in) at once.
   std::map<c10::ScalarType, at::Tensor> staging;
@@ -203,7 +230,8 @@ struct Checkpointer::Impl {
   // The steps after the files are written: gather the parts, commit on rank 0, agree.
   void commit(const std::string& dir, const std::string& tmp, nlohmann::json manifest, const nlohmann::json& part) {
     const int rank = group->getRank();
-    const auto parts = all_gather_strings(group, part.dump());
+    // Replace, not throw, on bytes that are not UTF-8: an error message may quote a damaged file.
+    const auto parts = all_gather_strings(group, part.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     std::string result;
     if (rank == 0) {
       result = error_of([&] {
@@ -228,21 +256,32 @@ struct Checkpointer::Impl {
         write_manifest(tmp, manifest);
         for (const char* sub : {"model", "optim"}) fsync_path(tmp + "/" + sub);
         fsync_path(tmp);
-        const std::string final_path = dir + "/" + step_name(manifest["step"].get<int64_t>());
-        std::string old;
-        if (path_exists(final_path)) {  // saving the same step again: the new one replaces it
-          old = dir + "/.old-" + step_name(manifest["step"].get<int64_t>());
-          remove_tree(old);
-          rename_path(final_path, old);
+        const int64_t step = manifest["step"].get<int64_t>();
+        // A run resumed from an older step owns the future: checkpoints at this step or later that
+        // this checkpointer did not write belong to the run it abandoned.
+        std::vector<StepFolder> abandoned;
+        for (const StepFolder& c : complete_checkpoints(dir)) {
+          if (c.step >= step && !committed.count(c.step)) abandoned.push_back(c);
         }
-        rename_path(tmp, final_path);
+        if (!abandoned.empty()) {
+          const std::string aside = set_aside(dir, abandoned);
+          std::string names;
+          for (const StepFolder& c : abandoned) names += (names.empty() ? "" : ", ") + step_name(c.step);
+          std::fprintf(stderr,
+                       "fsdp: %s/%s continues a run resumed from an earlier step: the abandoned run's %s moved to %s "
+                       "(neither resumed from nor deleted; remove them when you no longer need them)\n",
+                       dir.c_str(), step_name(step).c_str(), names.c_str(), aside.c_str());
+        }
+        commit_folder(tmp, dir + "/" + step_name(step));
         fsync_path(dir);
-        if (!old.empty()) remove_tree(old);
+        committed.insert(step);
         if (options.keep_last > 0) {
           auto all = complete_checkpoints(dir);
-          for (size_t i = 0; i + options.keep_last < all.size(); ++i) remove_tree(all[i].second);
+          for (size_t i = 0; i + options.keep_last < all.size(); ++i) remove_tree(all[i].path);
         }
       });
+      // A failed save leaves the previous checkpoints as they were, and gives back its space.
+      if (!result.empty()) error_of([&] { remove_tree(tmp); });
     }
     agree(group, result, "saving checkpoint " + dir + "/" + step_name(manifest["step"].get<int64_t>()));
   }
@@ -254,9 +293,7 @@ struct Checkpointer::Impl {
     if (group->getRank() == 0) {
       err = error_of([&] {
         make_directories(dir);
-        for (const std::string& name : list_directory(dir)) {
-          if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0) remove_tree(dir + "/" + name);
-        }
+        sweep(dir);
         make_directories(tmp + "/model");
         make_directories(tmp + "/optim");
       });
@@ -275,6 +312,16 @@ Checkpointer::Checkpointer(std::shared_ptr<Mesh> mesh, std::string dir, Checkpoi
   auto& state = detail::MeshState::of(*impl_->mesh);
   impl_->group = state.make_group("checkpoint/" + std::to_string(count++), impl_->mesh->rank(),
                                   impl_->mesh->world_size(), c10::DeviceType::CPU);
+  // One job per folder: rank 0 holds its lock (the other ranks write only inside its save's
+  // temporary folder, which rank 0 creates).
+  std::string err;
+  if (impl_->group->getRank() == 0) {
+    err = error_of([&] {
+      impl_->lock = std::make_unique<FolderLock>(dir_);
+      sweep(dir_);  // what a killed save left, before anyone resumes from the folder
+    });
+  }
+  agree(impl_->group, err, "opening checkpoint folder " + dir_);
 }
 
 Checkpointer::~Checkpointer() {
@@ -293,12 +340,20 @@ void Checkpointer::wait() {
   }
 }
 
-std::optional<std::string> Checkpointer::latest() const { return latest_checkpoint(dir_); }
+std::optional<std::string> Checkpointer::latest() const { return decided_by_rank0(impl_->group, dir_); }
 
 std::optional<std::string> latest_checkpoint(const std::string& dir) {
-  auto all = complete_checkpoints(dir);
-  if (all.empty()) return std::nullopt;
-  return all.back().second;
+  std::vector<std::string> skipped;
+  auto found = newest_good_checkpoint(dir, &skipped);
+  for (const std::string& s : skipped) {
+    std::fprintf(stderr, "fsdp: WARNING: skipping damaged checkpoint %s; %s\n", s.c_str(),
+                 found ? ("using the newest good one, " + *found).c_str() : "no good one is left");
+  }
+  return found;
+}
+
+std::optional<std::string> find_checkpoint(Mesh& mesh, const std::string& path) {
+  return decided_by_rank0(detail::MeshState::of(mesh).world, path);
 }
 
 std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim::Optimizer* optimizer,
@@ -399,18 +454,25 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
   detail::ShardedRoot& root = detail::RootAccess::of(model);
   root.check_checkpointable("loading a checkpoint");
   const MeshInfo& mi = root.comm().mesh();
+  // Stage: every rank reads and checks everything it will change (weights, optimizer state,
+  // scaler, generators, training state) into staging. Agree. Only then apply, on every rank.
   StagedLoad staged;
+  StagedRng rng;
   nlohmann::json manifest;
-  const std::string err = error_of([&] {
+  std::optional<GradScalerState> scaler_state;
+  TrainingState out;
+  std::string manifest_id = "(unread)";
+  std::string err = error_of([&] {
     manifest = read_manifest(path);
+    manifest_id = std::to_string(manifest_checksum(manifest)) + " step " + manifest["step"].dump();
     const StateDictKind kind = parse_state_dict_kind(manifest["kind"].get<std::string>());
     if (kind == StateDictKind::LOCAL) {
       const auto here = describe_model_state(root);
-      const int W = manifest["world_size"].get<int>(), F = manifest.value("shard_size", 0);
+      const int W = manifest["world_size"].get<int>(), F = manifest["shard_size"].get<int>();
       if (W != mi.world_size || F != mi.shard_size || manifest["model"]["units"] != here["units"]) {
         throw std::runtime_error(
             "fsdp: " + path + " is a LOCAL checkpoint saved at W=" + std::to_string(W) + ", F=" + std::to_string(F) +
-            " (" + manifest.value("strategy", "?") + ", " + std::to_string(manifest["model"]["units"].size()) +
+            " (" + manifest["strategy"].get<std::string>() + ", " + std::to_string(manifest["model"]["units"].size()) +
             " units); this model is wrapped at W=" + std::to_string(mi.world_size) + ", F=" +
             std::to_string(mi.shard_size) + " (" + to_string(root.options().strategy) + ", " +
             std::to_string(here["units"].size()) + " units). LOCAL checkpoints load only into the same layout: "
@@ -420,22 +482,37 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
     verify_files(path, manifest, mi.rank, mi.world_size);
     const SavedTensors saved = saved_from_manifest(path, manifest);
     stage_model(root, saved, staged);
-    if (optimizer) stage_optimizer(root, *optimizer, saved, manifest.value("optimizer", nlohmann::json()), staged);
-    if (scaler && manifest.value("scaler", nlohmann::json()).is_null()) {
-      throw std::runtime_error("fsdp: " + path + " holds no gradient scaler state (it was saved without one); "
-                               "load it without a scaler");
+    if (optimizer) stage_optimizer(root, *optimizer, saved, manifest["optimizer"], staged);
+    if (scaler) {
+      if (manifest["scaler"].is_null()) {
+        throw std::runtime_error("fsdp: " + path + " holds no gradient scaler state (it was saved without one); "
+                                 "load it without a scaler");
+      }
+      scaler_state = GradScalerState{manifest["scaler"]["scale"].get<double>(),
+                                              manifest["scaler"]["growth_tracker"].get<int64_t>()};
     }
+    const std::string me = std::to_string(mi.rank);
+    if (manifest["world_size"].get<int>() == mi.world_size && manifest.contains("rng") && manifest["rng"].contains(me)) {
+      rng = StagedRng::check(manifest["rng"][me], path);
+    }
+    out.step = manifest["step"].get<int64_t>();
+    out.user_json = manifest["training"].dump();
   });
+  // Every rank must have read the same manifest (the same path, the same bytes).
+  const auto ids = all_gather_strings(mi.world_group, path + "\n" + manifest_id);
+  for (size_t r = 1; r < ids.size() && err.empty(); ++r) {
+    if (ids[r] != ids[0]) {
+      err = "ranks read different manifests: rank 0 read " + ids[0].substr(0, ids[0].find('\n')) + " (" +
+            ids[0].substr(ids[0].find('\n') + 1) + "), rank " + std::to_string(r) + " read " +
+            ids[r].substr(0, ids[r].find('\n')) + " (" + ids[r].substr(ids[r].find('\n') + 1) +
+            "). Give every rank the same checkpoint folder (fsdp::find_checkpoint decides one for all), on a file "
+            "system every rank sees the same";
+    }
+  }
   agree(mi.world_group, err, "loading checkpoint " + path + " (nothing was changed)");
   apply(staged, optimizer);
-  if (scaler) scaler->load_state({manifest["scaler"]["scale"].get<double>(), manifest["scaler"]["growth_tracker"].get<int64_t>()});
-  if (manifest["world_size"].get<int>() == mi.world_size && manifest.contains("rng")) {
-    const std::string me = std::to_string(mi.rank);
-    if (manifest["rng"].contains(me)) set_rng_state(manifest["rng"][me]);
-  }
-  TrainingState out;
-  out.step = manifest["step"].get<int64_t>();
-  out.user_json = manifest.value("training", nlohmann::json::object()).dump();
+  if (scaler_state) scaler->load_state(*scaler_state);
+  rng.apply();
   return out;
 }
 
@@ -457,11 +534,12 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
   const std::string err = error_of([&] {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw std::runtime_error("fsdp: cannot open " + path);
-    char magic[2] = {0, 0};
-    in.read(magic, 2);
-    // A torch.save file is a zip archive ("PK"), read whole by the unpickler; anything else is
-    // read as safetensors, each rank only the elements it holds.
-    if (in.gcount() == 2 && magic[0] == 'P' && magic[1] == 'K') {
+    char magic[4] = {0, 0, 0, 0};
+    in.read(magic, 4);
+    // A torch.save file is a zip archive (a local file header, "PK\3\4"), read whole by the
+    // unpickler; anything else is read as safetensors, each rank only the elements it holds (a
+    // safetensors header of 0x4B50 bytes also starts with "PK").
+    if (in.gcount() == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0) {
       in.seekg(0);
       std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       c10::IValue value;

@@ -57,6 +57,7 @@ class PieceReader {
         const SafetensorsFile& f = file(p->file);
         const SafetensorsEntry* e = f.find(p->key);
         if (!e) fail(f.path(), "the manifest names tensor \"" + p->key + "\", which the file does not hold");
+        if (p->boxed) check_box(f, *e, *p, name);
         if (first + (stop - cursor) > e->numel()) {
           fail(f.path(), "tensor \"" + p->key + "\" is smaller than the manifest says");
         }
@@ -78,6 +79,39 @@ class PieceReader {
   }
 
  private:
+  // A FULL or SHARDED piece: the whole file tensor, placed where the file's own sharding metadata
+  // says (a manifest that points a piece elsewhere would load the wrong elements).
+  void check_box(const SafetensorsFile& f, const SafetensorsEntry& e, const SavedPiece& p, const std::string& name) {
+    if (p.at != 0 || e.numel() != p.end - p.begin) {
+      fail(f.path(), "tensor \"" + p.key + "\" holds " + std::to_string(e.numel()) + " elements; the manifest's piece of \"" +
+                         name + "\" says " + std::to_string(p.end - p.begin) + " from element " + std::to_string(p.at));
+    }
+    auto meta = f.metadata().find("DCP_SHARDING_INFO");
+    if (meta == f.metadata().end()) {
+      if (p.begin != 0 || e.shape != p.whole_shape) {
+        fail(f.path(), "tensor \"" + p.key + "\" is not the whole of \"" + name + "\", and the file says nothing of where it lies");
+      }
+      return;
+    }
+    auto& info = sharding_[f.path()];
+    if (info.is_null()) info = nlohmann::json::parse(meta->second, nullptr, false);
+    const auto entry = info.is_object() ? info.find(p.key) : info.end();
+    int64_t flat = 0, stride = 1;
+    bool ok = entry != info.end() && entry->is_object() && entry->contains("saved_offsets") &&
+              (*entry)["saved_offsets"].is_array() && (*entry)["saved_offsets"].size() == p.whole_shape.size() &&
+              e.shape.size() == p.whole_shape.size();
+    for (size_t d = p.whole_shape.size(); ok && d-- > 0;) {
+      const auto& o = (*entry)["saved_offsets"][d];
+      ok = o.is_number_integer() && o.get<int64_t>() >= 0 && o.get<int64_t>() + e.shape[d] <= p.whole_shape[d];
+      if (ok) flat += o.get<int64_t>() * stride;
+      stride *= p.whole_shape[d];
+    }
+    if (!ok || flat != p.begin) {
+      fail(f.path(), "tensor \"" + p.key + "\" lies elsewhere in \"" + name + "\" than the manifest's piece (element " +
+                         std::to_string(p.begin) + ") says: its DCP_SHARDING_INFO and the manifest disagree");
+    }
+  }
+
   const SafetensorsFile& file(const std::string& rel) {
     auto it = files_.find(rel);
     if (it != files_.end()) return *it->second;
@@ -87,6 +121,7 @@ class PieceReader {
 
   const SavedTensors& saved_;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, nlohmann::json> sharding_;  // file path -> its DCP_SHARDING_INFO
 };
 
 // The saved name for a live name (itself, or the saved tensor it is an alias of).
@@ -98,34 +133,6 @@ const std::string* resolve(const SavedTensors& saved, const std::string& name) {
 }
 
 }  // namespace
-
-nlohmann::json read_manifest(const std::string& folder) {
-  const std::string path = folder + "/manifest.json";
-  std::ifstream in(path);
-  if (!in) {
-    struct stat st {};
-    if (::stat(folder.c_str(), &st) != 0) throw std::runtime_error("fsdp: no checkpoint at " + folder + ": it does not exist");
-    throw std::runtime_error("fsdp: " + folder + " is not a complete fsdp checkpoint: " + path +
-                             " is missing (an interrupted save leaves no manifest; load an earlier checkpoint)");
-  }
-  nlohmann::json m;
-  try {
-    m = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    throw std::runtime_error("fsdp: checkpoint manifest " + path + " is not valid JSON (corrupt?): " + e.what());
-  }
-  if (!m.is_object() || m.value("format", "") != "fsdp-checkpoint") {
-    throw std::runtime_error("fsdp: " + path + " is not an fsdp checkpoint manifest (its \"format\" is not \"fsdp-checkpoint\")");
-  }
-  if (m.value("version", 0) != 1) {
-    throw std::runtime_error("fsdp: " + path + " has manifest version " + m.value("version", nlohmann::json()).dump() +
-                             "; this fsdp reads version 1");
-  }
-  for (const char* field : {"kind", "world_size", "model", "pieces", "files", "step"}) {
-    if (!m.contains(field)) throw std::runtime_error("fsdp: checkpoint manifest " + path + " lacks \"" + field + "\"");
-  }
-  return m;
-}
 
 SavedTensors saved_from_manifest(const std::string& folder, const nlohmann::json& m) {
   SavedTensors s;
@@ -141,6 +148,21 @@ SavedTensors saved_from_manifest(const std::string& folder, const nlohmann::json
         }
       }
     }
+    const bool local = m["kind"] == "local";
+    // A piece's whole tensor: a parameter or buffer, or a parameter's optimizer state
+    // (state.<parameter>.<key>: the longest parameter name that prefixes it).
+    auto shape_of = [&](const std::string& name) {
+      if (auto found = s.shapes.find(name); found != s.shapes.end()) return found->second;
+      std::vector<int64_t> shape;
+      size_t longest = 0;
+      for (const auto& [param, sh] : s.shapes) {
+        if (name.rfind("state." + param + ".", 0) == 0 && param.size() >= longest) {
+          longest = param.size();
+          shape = sh;
+        }
+      }
+      return shape;
+    };
     for (auto it = m["pieces"].begin(); it != m["pieces"].end(); ++it) {
       for (const auto& p : *it) {
         SavedPiece piece;
@@ -149,6 +171,10 @@ SavedTensors saved_from_manifest(const std::string& folder, const nlohmann::json
         piece.begin = p.at("flat").at(0).get<int64_t>();
         piece.end = p.at("flat").at(1).get<int64_t>();
         piece.at = p.value("at", int64_t{0});
+        if (!local) {
+          piece.boxed = true;
+          piece.whole_shape = shape_of(it.key());
+        }
         s.pieces[it.key()].push_back(std::move(piece));
       }
     }
@@ -305,6 +331,33 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
     out.group_options.push_back(match->at("options"));
   }
   const nlohmann::json& steps = mo.at("steps");
+  // Within a group every parameter with state has the same state tensors (the options that decide
+  // them, momentum or amsgrad, are the group's): a parameter that lacks one would step from a
+  // state libtorch never made (an undefined exp_avg).
+  for (auto& group : optimizer.param_groups()) {
+    std::map<std::string, std::string> first;  // key -> a parameter that has it
+    std::vector<std::pair<std::string, std::set<std::string>>> keys_of;
+    for (const auto& p : group.params()) {
+      auto n = name_of.find(p.unsafeGetTensorImpl());
+      if (n == name_of.end() || !steps.contains(n->second)) continue;
+      std::set<std::string> keys;
+      for (const std::string& key : adapter->tensor_keys()) {
+        if (saved.pieces.count("state." + n->second + "." + key)) {
+          keys.insert(key);
+          first.emplace(key, n->second);
+        }
+      }
+      keys_of.emplace_back(n->second, keys);
+    }
+    for (const auto& [param, keys] : keys_of) {
+      for (const auto& [key, other] : first) {
+        if (!keys.count(key)) {
+          fail(saved.origin, "its optimizer state of \"" + param + "\" lacks \"" + key + "\", which \"" + other +
+                                 "\" of the same group has (a piece missing from the manifest?)");
+        }
+      }
+    }
+  }
   PieceReader reader(saved);
   for (const auto& unit : root.unit_list()) {
     const FlatParamHandle& h = unit->handle();

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/manifest.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/state_dict.h"
@@ -25,6 +26,11 @@ struct SavedPiece {
   std::string file, key;
   int64_t begin = 0, end = 0, at = 0;
   at::Tensor memory;
+  // FULL and SHARDED checkpoints store each piece as a whole tensor of its file, a box of the
+  // tensor of this shape (SHARDED: at the file's DCP_SHARDING_INFO offsets): the reader checks the
+  // file says the same as the manifest. Not for LOCAL pieces (ranges of raw flat shards).
+  bool boxed = false;
+  std::vector<int64_t> whole_shape;
 };
 
 // The tensors a checkpoint or file holds: shapes and dtypes by name, their pieces, and the names a
@@ -38,8 +44,6 @@ struct SavedTensors {
   std::map<std::string, std::string> alias_of;  // other name -> saved name
 };
 
-// A checkpoint folder's manifest.json, parsed and checked for the fields fsdp needs.
-nlohmann::json read_manifest(const std::string& folder);
 // The manifest's tensors (model, buffers and optimizer state).
 SavedTensors saved_from_manifest(const std::string& folder, const nlohmann::json& manifest);
 // A plain safetensors file (one tensor per name, or torch.distributed.checkpoint pieces).

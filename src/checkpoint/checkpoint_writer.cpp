@@ -152,10 +152,35 @@ WrittenPart write_rank_files(const std::string& folder, const RankState& state, 
 namespace fsdp {
 namespace {
 
+// Rank 0's writing during a gather. A write that fails (no space left, a file size limit, a file
+// it cannot create) must not leave the gather: the other ranks are sending into it and would wait
+// for the collective timeout. So the first failure is kept, rank 0 goes on receiving without
+// writing, and the error is thrown once every collective of the save is done.
+class GatheredFile {
+ public:
+  GatheredFile(bool writer, std::string& error) : writer_(writer), error_(error) {}
+  bool writing() const { return writer_ && error_.empty(); }
+  template <typename Fn>
+  void attempt(Fn&& fn) {
+    if (!writing()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error_ = e.what();
+    }
+  }
+
+ private:
+  bool writer_;
+  std::string& error_;
+};
+
 // Rank 0 writes the gathered model, unit by unit, then the buffers, to `path` (`rel` in pieces).
+// A write error on rank 0 lands in `error` (see GatheredFile); every rank completes the gathers.
 void write_gathered_model(const std::string& path, const std::string& rel, detail::ShardedRoot& root,
-                          const RankState& state, std::map<std::string, std::string> metadata, WrittenPart& part) {
-  const bool writer = root.mesh().rank() == 0;
+                          const RankState& state, std::map<std::string, std::string> metadata, WrittenPart& part,
+                          std::string& error) {
+  GatheredFile out(root.mesh().rank() == 0, error);
   std::vector<SafetensorsEntry> entries;
   for (const auto& unit : root.unit_list()) {
     for (const auto& e : unit->handle().layout().entries()) {
@@ -170,7 +195,7 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
     }
   }
   std::unique_ptr<SafetensorsWriter> w;
-  if (writer) w = std::make_unique<SafetensorsWriter>(path, entries, std::move(metadata));
+  out.attempt([&] { w = std::make_unique<SafetensorsWriter>(path, entries, std::move(metadata)); });
   bool first = true;
   gather_units(
       root,
@@ -180,33 +205,39 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
           first = false;
           maybe_killed_for_test(root.mesh().rank());
         }
-        if (!writer) return;
-        for (const auto& e : u.handle().layout().entries()) {
-          w->write_next(view_of_param(full, e));
-          nlohmann::json piece = piece_json(e.fqn, 0, e.numel, 0);
-          piece["file"] = rel;
-          part["pieces"][e.fqn].push_back(piece);
-        }
+        out.attempt([&] {
+          for (const auto& e : u.handle().layout().entries()) {
+            w->write_next(view_of_param(full, e));
+            nlohmann::json piece = piece_json(e.fqn, 0, e.numel, 0);
+            piece["file"] = rel;
+            part["pieces"][e.fqn].push_back(piece);
+          }
+        });
       },
       GatherTo::TO_RANK0);
-  if (!writer) return;
-  for (const StatePiece* b : buffers) {
-    w->write_next(b->local);
-    nlohmann::json piece = piece_json(b->key, 0, b->local.numel(), 0);
-    piece["file"] = rel;
-    part["pieces"][b->key].push_back(piece);
-  }
-  const uint32_t crc = w->finish();
-  part["files"][rel] = {{"bytes", w->bytes_written()}, {"crc32c", crc}};
+  out.attempt([&] {
+    for (const StatePiece* b : buffers) {
+      w->write_next(b->local);
+      nlohmann::json piece = piece_json(b->key, 0, b->local.numel(), 0);
+      piece["file"] = rel;
+      part["pieces"][b->key].push_back(piece);
+    }
+    const uint32_t crc = w->finish();
+    part["files"][rel] = {{"bytes", w->bytes_written()}, {"crc32c", crc}};
+  });
 }
 
 }  // namespace
 
 WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& root, const RankState& state) {
   WrittenPart part = empty_part();
+  std::string error;  // rank 0's first write error; thrown after the last gather
   write_gathered_model(folder + "/model/model.safetensors", "model/model.safetensors", root, state, {{"format", "pt"}},
-                       part);
-  if (!state.optimizer) return part;
+                       part, error);
+  if (!state.optimizer) {
+    if (!error.empty()) throw std::runtime_error(error);
+    return part;
+  }
   // Which state tensors each parameter has, agreed by every rank (a rank may hold none of one).
   std::map<std::string, at::Tensor> local;
   nlohmann::json present = nlohmann::json::object();
@@ -226,7 +257,7 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
       }
     }
   }
-  const bool writer = root.mesh().rank() == 0;
+  GatheredFile out(root.mesh().rank() == 0, error);
   std::vector<SafetensorsEntry> entries;
   for (const std::string& key : keys) {
     for (const auto& unit : root.unit_list()) {
@@ -237,7 +268,9 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
   }
   const std::string rel = "optim/optim.safetensors";
   std::unique_ptr<SafetensorsWriter> w;
-  if (writer) w = std::make_unique<SafetensorsWriter>(folder + "/" + rel, entries, std::map<std::string, std::string>{{"format", "pt"}});
+  out.attempt([&] {
+    w = std::make_unique<SafetensorsWriter>(folder + "/" + rel, entries, std::map<std::string, std::string>{{"format", "pt"}});
+  });
   for (const std::string& key : keys) {
     gather_units(
         root,
@@ -246,22 +279,24 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
           return it == local.end() ? at::Tensor() : it->second;
         },
         [&](const Unit& u, const at::Tensor& full) {
-          if (!writer) return;
-          for (const auto& e : u.handle().layout().entries()) {
-            if (!has[key].count(e.fqn)) continue;
-            const std::string name = "state." + e.fqn + "." + key;
-            w->write_next(view_of_param(full, e));
-            nlohmann::json piece = piece_json(name, 0, e.numel, 0);
-            piece["file"] = rel;
-            part["pieces"][name].push_back(piece);
-          }
+          out.attempt([&] {
+            for (const auto& e : u.handle().layout().entries()) {
+              if (!has[key].count(e.fqn)) continue;
+              const std::string name = "state." + e.fqn + "." + key;
+              w->write_next(view_of_param(full, e));
+              nlohmann::json piece = piece_json(name, 0, e.numel, 0);
+              piece["file"] = rel;
+              part["pieces"][name].push_back(piece);
+            }
+          });
         },
         GatherTo::TO_RANK0);
   }
-  if (writer) {
+  out.attempt([&] {
     const uint32_t crc = w->finish();
     part["files"][rel] = {{"bytes", w->bytes_written()}, {"crc32c", crc}};
-  }
+  });
+  if (!error.empty()) throw std::runtime_error(error);
   return part;
 }
 
@@ -272,7 +307,9 @@ void write_full_model_file(const std::string& path, detail::ShardedRoot& root, c
   for (auto it = model["params"].begin(); it != model["params"].end(); ++it) {
     if (!(*it)["aliases"].empty()) aliases[it.key()] = (*it)["aliases"];
   }
-  write_gathered_model(path, path, root, state, {{"format", "pt"}, {"aliases", aliases.dump()}}, part);
+  std::string error;
+  write_gathered_model(path, path, root, state, {{"format", "pt"}, {"aliases", aliases.dump()}}, part, error);
+  if (!error.empty()) throw std::runtime_error(error);
 }
 
 }  // namespace fsdp

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -183,6 +184,7 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
   std::string text(n, '\0');
   if (::pread(fd_, text.data(), n, 8) != static_cast<ssize_t>(n)) fail(path_, "cannot read its header: " + errno_text());
   data_start_ = 8 + static_cast<int64_t>(n);
+  if (text.empty() || text[0] != '{') fail(path_, "not safetensors: its header does not start with '{'");
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
@@ -192,25 +194,49 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
   if (!header.is_object()) fail(path_, "its header is not a JSON object");
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {
+      if (!it->is_object()) fail(path_, "its __metadata__ is not an object of strings");
       for (auto m = it->begin(); m != it->end(); ++m) {
-        if (m->is_string()) metadata_[m.key()] = m->get<std::string>();
+        if (!m->is_string()) fail(path_, "its __metadata__ entry \"" + m.key() + "\" is not a string");
+        metadata_[m.key()] = m->get<std::string>();
       }
       continue;
     }
     SafetensorsEntry e;
     e.name = it.key();
+    // Checked as Python's safetensors checks it: integers only, no negative dimension, an element
+    // count that fits, and (below) data spans that tile the data section exactly.
+    auto integer = [&](const nlohmann::json& v, const char* what) -> int64_t {
+      if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t{1} << 62)) || v.get<int64_t>() < 0) {
+        fail(path_, "tensor \"" + e.name + "\" has " + what + " " + v.dump() + " (not a non-negative integer below 2^62)");
+      }
+      return v.get<int64_t>();
+    };
     try {
+      if (!it->is_object()) fail(path_, "tensor \"" + e.name + "\" has a header entry that is not an object");
       e.dtype = dtype_from_safetensors(it->at("dtype").get<std::string>(), path_);
-      e.shape = it->at("shape").get<std::vector<int64_t>>();
-      const auto off = it->at("data_offsets").get<std::vector<int64_t>>();
-      if (off.size() != 2) fail(path_, "tensor \"" + e.name + "\" has data_offsets of " + std::to_string(off.size()) + " numbers");
-      e.begin = off[0];
-      e.end = off[1];
+      const auto& shape = it->at("shape");
+      if (!shape.is_array()) fail(path_, "tensor \"" + e.name + "\" has a shape that is not a list");
+      int64_t numel = 1;
+      for (const auto& d : shape) {
+        const int64_t n = integer(d, "a dimension");
+        if (n != 0 && numel > (int64_t{1} << 62) / n) fail(path_, "tensor \"" + e.name + "\" has more than 2^62 elements");
+        numel *= n;
+        e.shape.push_back(n);
+      }
+      const auto& off = it->at("data_offsets");
+      if (!off.is_array() || off.size() != 2) fail(path_, "tensor \"" + e.name + "\" has data_offsets that are not [begin, end]");
+      e.begin = integer(off[0], "a data offset");
+      e.end = integer(off[1], "a data offset");
     } catch (const nlohmann::json::exception& x) {
       fail(path_, "tensor \"" + e.name + "\" has a malformed header entry: " + x.what());
     }
-    const int64_t bytes = e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
-    if (e.begin < 0 || e.end - e.begin != bytes) {
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(e.dtype));
+    if (e.numel() > file_bytes_ / esize) {
+      fail(path_, "truncated: tensor \"" + e.name + "\" has " + std::to_string(e.numel()) + " elements, more than its " +
+                      std::to_string(file_bytes_) + "-byte file holds");
+    }
+    const int64_t bytes = e.numel() * esize;
+    if (e.end < e.begin || e.end - e.begin != bytes) {
       fail(path_, "tensor \"" + e.name + "\" spans " + std::to_string(e.end - e.begin) + " bytes, its shape needs " +
                       std::to_string(bytes));
     }
@@ -220,6 +246,26 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
     }
     by_name_[e.name] = entries_.size();
     entries_.push_back(std::move(e));
+  }
+  // The spans, in order of offset, must tile the data section: no overlap, no gap, nothing after.
+  std::vector<const SafetensorsEntry*> order;
+  for (const auto& e : entries_) order.push_back(&e);
+  std::sort(order.begin(), order.end(), [](const SafetensorsEntry* a, const SafetensorsEntry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  int64_t cursor = 0;
+  for (const SafetensorsEntry* e : order) {
+    if (e->begin != cursor) {
+      fail(path_, "tensor \"" + e->name + "\" starts at data byte " + std::to_string(e->begin) + ", where " +
+                      std::to_string(cursor) + " was expected (" + (e->begin < cursor ? "overlapping" : "a gap between") +
+                      " tensors' data)");
+    }
+    cursor = e->end;
+  }
+  if (data_start_ + cursor != file_bytes_) {
+    fail(path_, std::to_string(file_bytes_ - data_start_ - cursor) + " bytes follow the last tensor's data (the header "
+                "accounts for " + std::to_string(cursor) + " of the " + std::to_string(file_bytes_ - data_start_) +
+                " data bytes): appended to or not safetensors");
   }
 }
 

@@ -40,6 +40,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--sequence") a.sequence = v;
     else if (k == "--mismatch-what") a.mismatch_what = v;
     else if (k == "--case") a.hole = v;
+    else if (k == "--path") a.path = v;
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;

@@ -17,6 +17,7 @@ const std::map<std::string, Mode>& modes() {
       {"fuzz", run_fuzz},           {"fault", run_fault},           {"misuse", run_misuse},
       {"summon", run_summon},       {"checkpoint", run_checkpoint},
       {"recompute", run_recompute}, {"holes", run_holes},
+      {"checkpoint_hostile", run_checkpoint_hostile},
   };
   return table;
 }
@@ -35,7 +36,7 @@ int run(const Args& a) {
   }
   auto mesh = fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
   const json result = mode->second(mesh, a);
-  if (!result.is_null()) std::ofstream(a.out + "." + std::to_string(mesh->rank()) + ".json") << result.dump(1) << "\n";
+  if (!result.is_null()) std::ofstream(a.out + "." + std::to_string(mesh->rank()) + ".json") << result.dump(1, ' ', false, json::error_handler_t::replace) << "\n";
   return 0;
 }
 

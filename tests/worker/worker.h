@@ -54,6 +54,7 @@ struct Args {
   std::string mismatch_what = "model";  // structure: what differs on --mismatch-rank
   int calls = 12;             // fuzz: calls per sequence
   std::string hole;           // holes: which loop (holes.cpp)
+  std::string path;           // checkpoint_hostile: the checkpoint (folder) it works on
 };
 Args parse(int argc, char** argv);
 // The strategy and prefetch settings the flags ask for (no wrap policy: each mode picks its units).
@@ -134,5 +135,6 @@ json run_summon(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_checkpoint(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_recompute(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_holes(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_checkpoint_hostile(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 
 }  // namespace worker
