@@ -34,8 +34,10 @@
 #include "checkpoint/checkpoint_folder.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/dcp_reader.h"
 #include "checkpoint/file_system.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/optimizer_state.h"
 #include "comm/mesh_state.h"
 #include "checkpoint/safetensors.h"
 #include "wrap/sharded_root.h"
@@ -128,13 +130,67 @@ void agree(const GroupPtr& group, const std::string& mine, const std::string& wh
   }
 }
 
+// What a manifest would say of the optimizer, for a PyTorch checkpoint: its type is taken to be
+// this optimizer's (the state tensors' names, checked by stage_optimizer, must fit it), the step
+// counts are the files', and the groups with their hyper-parameters are those of the folder's
+// optimizer_groups.json when it has one (torch 2.11's Hugging Face writer cannot store them: see
+// tests/python/optimizer_interop.py), else this optimizer's own.
+nlohmann::json dcp_optimizer_json(detail::ShardedRoot& root, torch::optim::Optimizer& optimizer, const DcpFolder& dcp) {
+  auto adapter = OptimizerStateAdapter::for_optimizer(optimizer);
+  std::map<const c10::TensorImpl*, std::string> name_of;
+  for (const auto& unit : root.unit_list()) {
+    const FlatParamHandle& h = unit->handle();
+    for (size_t i = 0; i < h.params().size(); ++i) name_of[h.params()[i].unsafeGetTensorImpl()] = h.layout().entries()[i].fqn;
+  }
+  nlohmann::json groups = nlohmann::json::array();
+  for (auto& group : optimizer.param_groups()) {
+    nlohmann::json names = nlohmann::json::array();
+    for (const auto& p : group.params()) {
+      auto it = name_of.find(p.unsafeGetTensorImpl());
+      if (it != name_of.end()) names.push_back(it->second);
+    }
+    groups.push_back({{"params", names}, {"options", adapter->group_options(group)}});
+  }
+  std::set<std::string> params;
+  for (const auto& [impl, name] : name_of) params.insert(name);
+  for (const auto& [key, pieces] : dcp.optimizer.pieces) {
+    const std::string param = key.substr(6, key.rfind('.') - 6);
+    if (!params.count(param)) {
+      throw std::runtime_error("fsdp: cannot load " + dcp.optimizer.origin + ": it holds optimizer state \"" + key +
+                               "\" of \"" + param + "\", which is not a parameter of this model (by its first name)");
+    }
+    if (!dcp.steps.contains(param)) {
+      throw std::runtime_error("fsdp: cannot load " + dcp.optimizer.origin + ": it holds \"" + key + "\" but no \"state." +
+                               param + ".step\" (save the optimizer state flattened, with its step tensors)");
+    }
+  }
+  const std::string sidecar = dcp.model.folder + "/optimizer_groups.json";
+  if (path_exists(sidecar)) {
+    std::ifstream in(sidecar);
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    const nlohmann::json saved = j.is_object() ? j.value("groups", nlohmann::json()) : nlohmann::json();
+    bool ok = saved.is_array();
+    for (const auto& g : ok ? saved : nlohmann::json::array()) {
+      ok = ok && g.is_object() && g.contains("params") && g["params"].is_array() && g.contains("options") &&
+           g["options"].is_object();
+      for (const auto& n : ok ? g["params"] : nlohmann::json::array()) ok = ok && n.is_string();
+    }
+    if (!ok) {
+      throw std::runtime_error("fsdp: cannot load " + sidecar + ": not {\"groups\": [{\"params\": [names], \"options\": "
+                               "{...}}, ...]}");
+    }
+    groups = saved;
+  }
+  return {{"type", adapter->name()}, {"groups", groups}, {"steps", dcp.steps}};
+}
+
 // Which checkpoint `path` means (itself when it holds a manifest, else the newest good one under
 // it), decided by rank 0 alone and sent to every rank: ranks that looked on their own could see
 // different folders (a commit landing between their listings, a network file system's cache).
 std::optional<std::string> decided_by_rank0(const GroupPtr& group, const std::string& path) {
   std::string mine;
   if (group->getRank() == 0) {
-    if (path_exists(path + "/manifest.json")) {
+    if (path_exists(path + "/manifest.json") || is_dcp_folder(path)) {
       mine = "=" + path;
     } else if (auto found = latest_checkpoint(path)) {
       mine = "=" + *found;
@@ -463,6 +519,18 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
   TrainingState out;
   std::string manifest_id = "(unread)";
   std::string err = error_of([&] {
+    if (is_dcp_folder(path)) {
+      // A PyTorch checkpoint (dcp_reader.h): weights and optimizer state by name; no generators,
+      // scaler or training state; the optimizer's hyper-parameters stay those it was built with.
+      const DcpFolder dcp = read_dcp_folder(path);
+      manifest_id = "PyTorch checkpoint";
+      stage_model(root, dcp.model, staged);
+      if (optimizer) stage_optimizer(root, *optimizer, dcp.optimizer, dcp_optimizer_json(root, *optimizer, dcp), staged);
+      if (scaler) throw std::runtime_error("fsdp: " + path + " is a PyTorch checkpoint: it holds no gradient scaler state");
+      for (const auto& [param, step] : dcp.steps.items()) out.step = std::max(out.step, step.get<int64_t>());
+      out.user_json = "{}";
+      return;
+    }
     manifest = read_manifest(path);
     manifest_id = std::to_string(manifest_checksum(manifest)) + " step " + manifest["step"].dump();
     const StateDictKind kind = parse_state_dict_kind(manifest["kind"].get<std::string>());

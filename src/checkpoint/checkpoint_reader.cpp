@@ -154,6 +154,7 @@ SavedTensors saved_from_manifest(const std::string& folder, const nlohmann::json
     auto shape_of = [&](const std::string& name) {
       if (auto found = s.shapes.find(name); found != s.shapes.end()) return found->second;
       std::vector<int64_t> shape;
+      if (name.size() > 5 && name.compare(name.size() - 5, 5, ".step") == 0) return shape;  // a scalar step count
       size_t longest = 0;
       for (const auto& [param, sh] : s.shapes) {
         if (name.rfind("state." + param + ".", 0) == 0 && param.size() >= longest) {

@@ -112,6 +112,26 @@ WrittenPart write_rank_files(const std::string& folder, const RankState& state, 
         parts[j].push_back(std::move(t));
       }
     }
+    if (kind == StateDictKind::SHARDED && sub == "optim" && state.optimizer) {
+      // Each parameter's step count as the 0-d float32 tensor `state.<param>.step`, which is what
+      // PyTorch's Adam family keeps and get_optimizer_state_dict(flatten_optimizer_state_dict) names:
+      // torch.distributed.checkpoint reads the whole flattened state from the files. Written by
+      // every rank that holds state of the parameter (copies of one scalar; readers take any).
+      std::set<std::string> params;
+      for (const StatePiece& p : state.pieces) {
+        if (p.folder == "optim" && p.local.numel() > 0) params.insert(p.param);
+      }
+      for (const std::string& param : params) {
+        if (!state.optimizer->steps.contains(param)) continue;
+        PendingTensor t;
+        t.entry.name = "state." + param + ".step";
+        t.entry.dtype = c10::kFloat;
+        t.data = at::full({}, static_cast<double>(state.optimizer->steps[param].get<int64_t>()), at::kFloat);
+        t.piece = piece_json(t.entry.name, 0, 1, 0);
+        sharding[0][t.entry.name] = {{"saved_offsets", nlohmann::json::array()}};
+        parts[0].push_back(std::move(t));
+      }
+    }
     if (kind == StateDictKind::LOCAL && sub == "model") {
       // The raw flat shard of every unit, padding included; each parameter's piece points into it.
       for (size_t u = 0; u < state.unit_shards.size(); ++u) {
