@@ -7,7 +7,7 @@
 //   PREPARE  rank 0 sweeps what killed saves left (.tmp-*) and creates .tmp-step-N/{model,optim}
 //   WRITE    each rank writes and fsyncs its files (FULL: rank 0, gathering one unit at a time)
 //   GATHER   every rank's part (pieces, files with sizes and CRC-32C, RNG state, error if any)
-//            reaches rank 0
+//            reaches rank 0, point-to-point (the bytes moved are the sum of the parts)
 //   COMMIT   rank 0 writes and fsyncs manifest.json (with its own checksum), moves an abandoned
 //            run's newer checkpoints aside, puts .tmp-step-N in place as step-N (an atomic
 //            exchange when step-N exists) and syncs the folder; only then is the checkpoint
@@ -287,7 +287,7 @@ struct Checkpointer::Impl {
   void commit(const std::string& dir, const std::string& tmp, nlohmann::json manifest, const nlohmann::json& part) {
     const int rank = group->getRank();
     // Replace, not throw, on bytes that are not UTF-8: an error message may quote a damaged file.
-    const auto parts = all_gather_strings(group, part.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    const auto parts = gather_strings_to_rank0(group, part.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     std::string result;
     if (rank == 0) {
       result = error_of([&] {
@@ -547,10 +547,12 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
             "resume with the saving job's world size and strategy, or save FULL or SHARDED checkpoints to reshard.");
       }
     }
-    verify_files(path, manifest, mi.rank, mi.world_size);
     const SavedTensors saved = saved_from_manifest(path, manifest);
     stage_model(root, saved, staged);
     if (optimizer) stage_optimizer(root, *optimizer, saved, manifest["optimizer"], staged);
+    // After staging, which opened only the files holding this rank's elements: their sizes, and the
+    // checksums of this rank's share of all files.
+    verify_files(path, manifest, mi.rank, mi.world_size, staged.files_read);
     if (scaler) {
       if (manifest["scaler"].is_null()) {
         throw std::runtime_error("fsdp: " + path + " holds no gradient scaler state (it was saved without one); "

@@ -30,7 +30,7 @@ std::string shape_text(const std::vector<int64_t>& s) {
 // Reads pieces; opens each file once.
 class PieceReader {
  public:
-  explicit PieceReader(const SavedTensors& saved) : saved_(saved) {}
+  PieceReader(const SavedTensors& saved, std::set<std::string>& opened) : saved_(saved), opened_(opened) {}
 
   // Elements [begin, begin + out.numel()) of saved tensor `name` into `out` (1-D, contiguous),
   // converting the dtype if the saved one differs.
@@ -116,10 +116,25 @@ class PieceReader {
     auto it = files_.find(rel);
     if (it != files_.end()) return *it->second;
     const std::string path = saved_.folder.empty() || rel.front() == '/' ? rel : saved_.folder + "/" + rel;
+    opened_.insert(rel);
+    // A file of another size than the manifest's is truncated or replaced: say so, before its
+    // header's own checks say something less direct.
+    if (auto want = saved_.file_bytes.find(rel); want != saved_.file_bytes.end()) {
+      struct stat st {};
+      if (::stat(path.c_str(), &st) != 0) {
+        throw std::runtime_error("fsdp: checkpoint file " + path + " is missing (the manifest lists it); the checkpoint "
+                                 "is incomplete: copy the whole folder, or load an earlier checkpoint");
+      }
+      if (st.st_size != want->second) {
+        throw std::runtime_error("fsdp: checkpoint file " + path + " has " + std::to_string(st.st_size) +
+                                 " bytes, the manifest says " + std::to_string(want->second) + " (truncated or replaced)");
+      }
+    }
     return *files_.emplace(rel, std::make_unique<SafetensorsFile>(path)).first->second;
   }
 
   const SavedTensors& saved_;
+  std::set<std::string>& opened_;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, nlohmann::json> sharding_;  // file path -> its DCP_SHARDING_INFO
 };
@@ -164,6 +179,7 @@ SavedTensors saved_from_manifest(const std::string& folder, const nlohmann::json
       }
       return shape;
     };
+    for (auto it = m["files"].begin(); it != m["files"].end(); ++it) s.file_bytes[it.key()] = (*it)["bytes"].get<int64_t>();
     for (auto it = m["pieces"].begin(); it != m["pieces"].end(); ++it) {
       for (const auto& p : *it) {
         SavedPiece piece;
@@ -226,7 +242,7 @@ SavedTensors saved_from_memory(const std::string& origin, const std::map<std::st
 
 void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoad& out) {
   at::NoGradGuard no_grad;
-  PieceReader reader(saved);
+  PieceReader reader(saved, out.files_read);
   std::set<std::string> used;
   std::vector<std::string> missing, mismatched;
   auto check = [&](const std::string& name, const std::vector<int64_t>& shape) -> const std::string* {
@@ -359,7 +375,7 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
       }
     }
   }
-  PieceReader reader(saved);
+  PieceReader reader(saved, out.files_read);
   for (const auto& unit : root.unit_list()) {
     const FlatParamHandle& h = unit->handle();
     for (size_t i = 0; i < h.params().size(); ++i) {
@@ -384,9 +400,12 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
   }
 }
 
-void verify_files(const std::string& folder, const nlohmann::json& manifest, int rank, int world_size) {
+void verify_files(const std::string& folder, const nlohmann::json& manifest, int rank, int world_size,
+                  const std::set<std::string>& files_read) {
   int index = 0;
   for (auto it = manifest["files"].begin(); it != manifest["files"].end(); ++it, ++index) {
+    const bool crc_here = index % world_size == rank;
+    if (!crc_here && !files_read.count(it.key())) continue;
     const std::string path = folder + "/" + it.key();
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0) {
@@ -398,7 +417,7 @@ void verify_files(const std::string& folder, const nlohmann::json& manifest, int
       throw std::runtime_error("fsdp: checkpoint file " + path + " has " + std::to_string(st.st_size) +
                                " bytes, the manifest says " + std::to_string(bytes) + " (truncated or replaced)");
     }
-    if (index % world_size != rank) continue;
+    if (!crc_here) continue;
     const uint32_t crc = SafetensorsFile(path).crc32c();
     const uint32_t want = (*it)["crc32c"].get<uint32_t>();
     if (crc != want) {

@@ -7,6 +7,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,7 @@ struct SavedTensors {
   std::map<std::string, c10::ScalarType> dtypes;
   std::map<std::string, std::vector<SavedPiece>> pieces;
   std::map<std::string, std::string> alias_of;  // other name -> saved name
+  std::map<std::string, int64_t> file_bytes;    // a checkpoint's files' sizes, as its manifest lists them
 };
 
 // The manifest's tensors (model, buffers and optimizer state).
@@ -56,6 +58,7 @@ struct StagedLoad {
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // destination <- staged (shards, buffers)
   std::vector<std::pair<at::Tensor, ParamOptimState>> optimizer_states;  // parameter -> its new state
   std::vector<nlohmann::json> group_options;  // per optimizer group, in order
+  std::set<std::string> files_read;             // the pieces' files this rank opened (as the manifest names them)
 };
 
 // Reads the model's parameters and buffers this rank holds. Throws (naming the name, the file and
@@ -65,9 +68,11 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
 // Reads the optimizer's state for this rank's elements and its groups' hyper-parameters.
 void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimizer, const SavedTensors& saved,
                      const nlohmann::json& manifest_optimizer, StagedLoad& out);
-// Checks the files the manifest lists: each rank stats every file this rank reads and computes the
-// checksum of every file whose index is this rank modulo W.
-void verify_files(const std::string& folder, const nlohmann::json& manifest, int rank, int world_size);
+// Checks the files the manifest lists: each rank compares the size of every file it read
+// (`files_read`) with the manifest's, and computes the checksum of every file whose index is this
+// rank modulo W. Every file is checked by one rank at least; no rank looks at all W ranks' files.
+void verify_files(const std::string& folder, const nlohmann::json& manifest, int rank, int world_size,
+                  const std::set<std::string>& files_read);
 
 void apply(StagedLoad& staged, torch::optim::Optimizer* optimizer);
 

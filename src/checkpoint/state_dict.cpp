@@ -250,4 +250,31 @@ std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::st
   return result;
 }
 
+std::vector<std::string> gather_strings_to_rank0(const GroupPtr& group, const std::string& mine) {
+  const int n = group->getSize(), rank = group->getRank();
+  // The lengths first (one number per rank), so that rank 0 can size each receive.
+  std::vector<at::Tensor> len_in{at::tensor({static_cast<int64_t>(mine.size())}, at::kLong)};
+  std::vector<std::vector<at::Tensor>> len_out(1);
+  for (int r = 0; r < n; ++r) len_out[0].push_back(at::empty({1}, at::kLong));
+  group->allgather(len_out, len_in)->wait();
+  constexpr int kTag = 7001;
+  if (rank != 0) {
+    if (!mine.empty()) {
+      std::vector<at::Tensor> out{at::from_blob(const_cast<char*>(mine.data()), {static_cast<int64_t>(mine.size())}, at::kByte)};
+      group->send(out, 0, kTag)->wait();
+    }
+    return {};
+  }
+  std::vector<std::string> result(n);
+  result[0] = mine;
+  for (int r = 1; r < n; ++r) {
+    const int64_t len = len_out[0][r].item<int64_t>();
+    if (len == 0) continue;
+    std::vector<at::Tensor> in{at::empty({len}, at::kByte)};
+    group->recv(in, r, kTag)->wait();
+    result[r].assign(static_cast<const char*>(in[0].data_ptr()), static_cast<size_t>(len));
+  }
+  return result;
+}
+
 }  // namespace fsdp

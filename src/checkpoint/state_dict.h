@@ -86,7 +86,12 @@ enum class GatherTo { TO_ALL, TO_RANK0 };
 void gather_units(detail::ShardedRoot& root, const std::function<at::Tensor(const Unit&, size_t)>& local_of,
                   const std::function<void(const Unit&, const at::Tensor&)>& consume, GatherTo to);
 
-// Every rank's string, in rank order (Gloo, CPU): how parts of a manifest and errors travel.
+// Every rank's string, in rank order (Gloo, CPU): how errors and small agreements travel. Each
+// rank receives W times the longest string: for short ones only.
 std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine);
+// Every rank's string on rank 0, in rank order (the others get an empty list): how the parts of a
+// manifest travel. Rank 0 receives each string at its own length (point-to-point), so the bytes
+// moved are the sum of the parts, not W times the longest on every rank.
+std::vector<std::string> gather_strings_to_rank0(const GroupPtr& group, const std::string& mine);
 
 }  // namespace fsdp
