@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 # The GPT port, its loss, the loader for libtorch's files and fsdp-train's weight-decay rule come
 # from the training comparison, so that both benchmarks run the very same PyTorch model.
-from vs_pytorch import GPT, REPO, load_pt, lm_loss, no_decay, this_command_line
+from vs_pytorch import GPT, REPO, fsdp_train_adamw, load_pt, lm_loss, this_command_line
 
 MB = 1e6
 FSDP = "fsdp (fsdp-train)"
@@ -253,14 +253,7 @@ def build_and_step(rank, W, export_dir):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    groups = {"decay": [], "no_decay": []}
-    for name, p in model.named_parameters():
-        groups["no_decay" if no_decay(name) else "decay"].append(p)
-    adamw = cfg["adamw"]
-    optim = torch.optim.AdamW(
-        [{"params": groups["decay"], "weight_decay": cfg["weight_decay"]},
-         {"params": groups["no_decay"], "weight_decay": 0.0}],
-        lr=cfg["lr"], betas=(adamw["beta1"], adamw["beta2"]), eps=adamw["eps"])
+    optim = fsdp_train_adamw(model.named_parameters(), cfg)
     batches = load_pt(os.path.join(export_dir, "batches.pt"))
     per_rank = cfg["global_batch"] // W
     x = batches["x"][0, rank * per_rank:(rank + 1) * per_rank]

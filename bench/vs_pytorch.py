@@ -129,6 +129,21 @@ def no_decay(name):
     return "bias" in name or "ln" in name
 
 
+def fsdp_train_adamw(named_params, cfg, foreach=False):
+    """fsdp-train's AdamW over (original name, parameter) pairs: weight decay except on biases and
+    norms, the hyper-parameters of --export-init's config.json. Default foreach=False, fused=False:
+    the single-tensor loop is libtorch AdamW's algorithm, op by op (up to lerp_ for the first
+    moment, where libtorch does mul_ + add_)."""
+    groups = {"decay": [], "no_decay": []}
+    for name, p in named_params:
+        groups["no_decay" if no_decay(name) else "decay"].append(p)
+    adamw = cfg["adamw"]
+    return torch.optim.AdamW(
+        [{"params": groups["decay"], "weight_decay": cfg["weight_decay"]},
+         {"params": groups["no_decay"], "weight_decay": 0.0}],
+        lr=cfg["lr"], betas=(adamw["beta1"], adamw["beta2"]), eps=adamw["eps"], foreach=foreach, fused=False)
+
+
 def load_pt(path):
     # The files are written by libtorch's pickle_save, whose tensors need this type-tag global.
     with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
@@ -204,21 +219,9 @@ def train(system, rank, W, export_dir, dev, adamw_impl, mixed):
         raise ValueError(system)
 
     # Parameter groups by original name, as fsdp-train builds them. FSDP1 prefixes wrapped modules.
-    groups = {"decay": [], "no_decay": []}
-    names = []
-    for name, p in wrapped.named_parameters():
-        name = name.replace("_fsdp_wrapped_module.", "")
-        names.append(name)
-        groups["no_decay" if no_decay(name) else "decay"].append(p)
-    assert sorted(names) == sorted(expected_names), (names, expected_names)
-    adamw = cfg["adamw"]
-    # Default foreach=False, fused=False: the single-tensor loop is libtorch AdamW's algorithm,
-    # op by op (up to lerp_ for the first moment, where libtorch does mul_ + add_).
-    optim = torch.optim.AdamW(
-        [{"params": groups["decay"], "weight_decay": cfg["weight_decay"]},
-         {"params": groups["no_decay"], "weight_decay": 0.0}],
-        lr=cfg["lr"], betas=(adamw["beta1"], adamw["beta2"]), eps=adamw["eps"],
-        foreach=adamw_impl == "foreach", fused=False)
+    named = [(name.replace("_fsdp_wrapped_module.", ""), p) for name, p in wrapped.named_parameters()]
+    assert sorted(n for n, _ in named) == sorted(expected_names), (named, expected_names)
+    optim = fsdp_train_adamw(named, cfg, foreach=adamw_impl == "foreach")
 
     xs, ys = batches["x"], batches["y"]
     per_rank = cfg["global_batch"] // W

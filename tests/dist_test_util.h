@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -32,6 +33,21 @@ inline std::string temp_prefix(const std::string& name) {
   return "/tmp/fsdp-test-" + std::to_string(::getpid()) + "-" + name;
 }
 
+// A new, empty scratch folder for one test (under /tmp, named after the test process).
+inline std::string fresh_dir(const std::string& name);
+// A checkpoint folder's step-N/ ("dir/step-00000010").
+inline std::string step_dir(const std::string& dir, int step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "/step-%08d", step);
+  return dir + buf;
+}
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
 struct Run {
   int exit_code = -1;
   std::string output;
@@ -54,6 +70,12 @@ inline Run sh(const std::string& cmd, int timeout_s = 300) {
   r.output = ss.str();
   std::remove(log.c_str());
   return r;
+}
+
+inline std::string fresh_dir(const std::string& name) {
+  const std::string d = temp_prefix(name);
+  sh("rm -rf " + d + " && mkdir -p " + d);
+  return d;
 }
 
 // One JSON object per line (fsdp-train's --metrics-jsonl); none if the file is missing.

@@ -16,17 +16,9 @@ using json = nlohmann::json;
 
 const std::string kTrain = "--log-every 1000 ";
 
-std::string fresh_dir(const std::string& name) {
-  const std::string d = fsdp_test::temp_prefix("ckpt-" + name);
-  fsdp_test::sh("rm -rf " + d + " && mkdir -p " + d);
-  return d;
-}
-
-std::string step_dir(const std::string& dir, int step) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "/step-%08d", step);
-  return dir + buf;
-}
+using fsdp_test::fresh_dir;
+using fsdp_test::read_file;
+using fsdp_test::step_dir;
 
 struct TrainRun {
   fsdp_test::Run run;
@@ -49,13 +41,6 @@ TrainRun train(const std::string& dir, const std::string& name, const std::strin
   std::string line;
   while (std::getline(in, line)) t.rows.push_back(json::parse(line));
   return t;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 // Every safetensors file of two checkpoints, byte for byte (the manifests hold the same state too,

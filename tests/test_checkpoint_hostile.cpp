@@ -19,24 +19,9 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string fresh_dir(const std::string& name) {
-  const std::string d = fsdp_test::temp_prefix("hostile-" + name);
-  fsdp_test::sh("rm -rf " + d + " && mkdir -p " + d);
-  return d;
-}
-
-std::string step_dir(const std::string& dir, int step) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "/step-%08d", step);
-  return dir + buf;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using fsdp_test::fresh_dir;
+using fsdp_test::read_file;
+using fsdp_test::step_dir;
 
 void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -119,9 +104,17 @@ TEST(CheckpointFolder, ResumedRunMovesTheAbandonedFutureAside) {
 // 2. One job per folder; a crashed holder leaves nothing stuck.
 TEST(CheckpointFolder, SecondJobIsRefusedAndACrashedHolderIsNot) {
   const std::string dir = fresh_dir("lock"), c = dir + "/c";
-  // Job A trains long in its own session, saving into c.
+  // Job A trains long in its own session, saving into c. Whatever happens below, the session goes
+  // at the end of the test (a failed assertion must not leave A training on the machine).
   fsdp_test::sh("setsid " + fsdp_test::fsdp_train() + " --log-every 1000 --model tiny --nproc-per-node 2 --steps 1000000 "
                 "--save-every 1000000 --save-dir " + c + " > " + dir + "/a.log 2>&1 < /dev/null & echo $! > " + dir + "/a.pid");
+  std::string session = read_file(dir + "/a.pid");  // setsid: the launcher leads its session
+  session = session.substr(0, session.find('\n'));
+  ASSERT_FALSE(session.empty());
+  struct EndSession {
+    std::string sid;
+    ~EndSession() { fsdp_test::sh("pkill -9 -s " + sid + "; exit 0"); }
+  } end_a{session};
   std::string holder;
   for (int i = 0; i < 600 && holder.find("pid ") != 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -136,13 +129,10 @@ TEST(CheckpointFolder, SecondJobIsRefusedAndACrashedHolderIsNot) {
   EXPECT_NE(b.output.find("fsdp-train"), std::string::npos) << "the holder's command line: " << b.output;
   EXPECT_LT(b.seconds, 60);
   // A crashes (SIGKILL: no destructor runs); its launcher ends the other rank.
-  std::string session = read_file(dir + "/a.pid");  // setsid: the launcher leads its session
-  session = session.substr(0, session.find('\n'));
   fsdp_test::sh("kill -9 " + pid);
   const auto ended = fsdp_test::sh("for i in $(seq 100); do pgrep -s " + session + " > /dev/null || exit 0; sleep 0.2; "
                                    "done; exit 1");
   EXPECT_EQ(ended.exit_code, 0) << "job A's other ranks outlived its rank 0";
-  fsdp_test::sh("pkill -9 -s " + session + "; exit 0");
   const auto after = train("--nproc-per-node 2 --steps 2 --save-dir " + c);
   EXPECT_EQ(after.exit_code, 0) << after.output;
   EXPECT_TRUE(fsdp_test::sh("test -f " + step_dir(c, 2) + "/manifest.json").exit_code == 0);

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from vs_pytorch import GPT, lm_loss, no_decay, load_pt  # noqa: E402  (the port the benchmark trains)
+from vs_pytorch import GPT, fsdp_train_adamw, lm_loss, load_pt  # noqa: E402  (the port the benchmark trains)
 
 WORLD_SIZE = 2
 # The hyper-parameters fsdp's manifest records per group (manifest.json optimizer.groups[i].options).
@@ -99,14 +99,7 @@ def build(export_dir, W, init_weights):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root unit: embeddings, ln_f and the tied head
     # named_parameters() yields the tied weight once, as tok_emb.weight: fsdp's rule too.
-    groups = {"decay": [], "no_decay": []}
-    for name, p in model.named_parameters():
-        groups["no_decay" if no_decay(name) else "decay"].append(p)
-    adamw = cfg["adamw"]
-    optim = torch.optim.AdamW(
-        [{"params": groups["decay"], "weight_decay": cfg["weight_decay"]},
-         {"params": groups["no_decay"], "weight_decay": 0.0}],
-        lr=cfg["lr"], betas=(adamw["beta1"], adamw["beta2"]), eps=adamw["eps"], foreach=False, fused=False)
+    optim = fsdp_train_adamw(model.named_parameters(), cfg)
     return cfg, model, optim
 
 
