@@ -27,6 +27,19 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
+// A file the manifest lists: there, with the size it says.
+void check_listed_file(const std::string& path, int64_t bytes) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw std::runtime_error("fsdp: checkpoint file " + path + " is missing (the manifest lists it); the checkpoint "
+                             "is incomplete: copy the whole folder, or load an earlier checkpoint");
+  }
+  if (st.st_size != bytes) {
+    throw std::runtime_error("fsdp: checkpoint file " + path + " has " + std::to_string(st.st_size) +
+                             " bytes, the manifest says " + std::to_string(bytes) + " (truncated or replaced)");
+  }
+}
+
 // Reads pieces; opens each file once.
 class PieceReader {
  public:
@@ -119,17 +132,7 @@ class PieceReader {
     opened_.insert(rel);
     // A file of another size than the manifest's is truncated or replaced: say so, before its
     // header's own checks say something less direct.
-    if (auto want = saved_.file_bytes.find(rel); want != saved_.file_bytes.end()) {
-      struct stat st {};
-      if (::stat(path.c_str(), &st) != 0) {
-        throw std::runtime_error("fsdp: checkpoint file " + path + " is missing (the manifest lists it); the checkpoint "
-                                 "is incomplete: copy the whole folder, or load an earlier checkpoint");
-      }
-      if (st.st_size != want->second) {
-        throw std::runtime_error("fsdp: checkpoint file " + path + " has " + std::to_string(st.st_size) +
-                                 " bytes, the manifest says " + std::to_string(want->second) + " (truncated or replaced)");
-      }
-    }
+    if (auto want = saved_.file_bytes.find(rel); want != saved_.file_bytes.end()) check_listed_file(path, want->second);
     return *files_.emplace(rel, std::make_unique<SafetensorsFile>(path)).first->second;
   }
 
@@ -407,16 +410,7 @@ void verify_files(const std::string& folder, const nlohmann::json& manifest, int
     const bool crc_here = index % world_size == rank;
     if (!crc_here && !files_read.count(it.key())) continue;
     const std::string path = folder + "/" + it.key();
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) {
-      throw std::runtime_error("fsdp: checkpoint file " + path + " is missing (the manifest lists it); the checkpoint "
-                               "is incomplete: copy the whole folder, or load an earlier checkpoint");
-    }
-    const int64_t bytes = (*it)["bytes"].get<int64_t>();
-    if (st.st_size != bytes) {
-      throw std::runtime_error("fsdp: checkpoint file " + path + " has " + std::to_string(st.st_size) +
-                               " bytes, the manifest says " + std::to_string(bytes) + " (truncated or replaced)");
-    }
+    check_listed_file(path, (*it)["bytes"].get<int64_t>());
     if (!crc_here) continue;
     const uint32_t crc = SafetensorsFile(path).crc32c();
     const uint32_t want = (*it)["crc32c"].get<uint32_t>();
