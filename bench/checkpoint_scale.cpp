@@ -25,6 +25,7 @@
 #include "fsdp/deferred_init.h"
 #include "models/gpt.h"
 #include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/file_system.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
@@ -44,13 +45,6 @@ struct UnitLayout {
   std::vector<std::vector<int64_t>> shapes;
 };
 
-std::string rank_file(const std::string& sub, int rank, int world, size_t part) {
-  char name[96];
-  std::snprintf(name, sizeof(name), "%s/rank-%05d-of-%05d%s.safetensors", sub.c_str(), rank, world,
-                part == 0 ? "" : (".part-" + std::to_string(part)).c_str());
-  return name;
-}
-
 // Rank `rank`'s part as checkpoint_writer.cpp's write_rank_files makes it for a SHARDED save with
 // an Adam-family optimizer (exp_avg, exp_avg_sq and the step tensors), plus what save() adds.
 json part_of(const std::vector<UnitLayout>& units, const std::vector<fsdp::FlatParamLayout>& layouts, int rank, int world,
@@ -67,7 +61,7 @@ json part_of(const std::vector<UnitLayout>& units, const std::vector<fsdp::FlatP
       for (const std::string& key : {fqn, "state." + fqn + ".exp_avg", "state." + fqn + ".exp_avg_sq"}) {
         const std::string sub = key == fqn ? "model" : "optim";
         for (size_t j = 0; j < boxes.size(); ++j) {
-          const std::string file = rank_file(sub, rank, world, j);
+          const std::string file = fsdp::rank_file(sub, rank, world, static_cast<int>(j));
           part["pieces"][key].push_back({{"key", key}, {"flat", {boxes[j].flat_begin, boxes[j].flat_end}}, {"at", 0}, {"file", file}});
           bytes[file] += 4 * (boxes[j].flat_end - boxes[j].flat_begin);
         }
@@ -76,7 +70,7 @@ json part_of(const std::vector<UnitLayout>& units, const std::vector<fsdp::FlatP
     }
   }
   for (const std::string& fqn : with_state) {
-    const std::string key = "state." + fqn + ".step", file = rank_file("optim", rank, world, 0);
+    const std::string key = "state." + fqn + ".step", file = fsdp::rank_file("optim", rank, world, 0);
     part["pieces"][key].push_back({{"key", key}, {"flat", {0, 1}}, {"at", 0}, {"file", file}});
     bytes[file] += 4;
   }

@@ -11,12 +11,6 @@
 namespace fsdp {
 namespace {
 
-std::string rank_file(const std::string& folder, int rank, int world, int part) {
-  char name[96];
-  std::snprintf(name, sizeof(name), "%s/rank-%05d-of-%05d%s.safetensors", folder.c_str(), rank, world,
-                part == 0 ? "" : (".part-" + std::to_string(part)).c_str());
-  return name;
-}
 
 struct PendingTensor {
   SafetensorsEntry entry;
@@ -53,6 +47,13 @@ nlohmann::json piece_json(const std::string& key, int64_t begin, int64_t end, in
 WrittenPart empty_part() { return {{"pieces", nlohmann::json::object()}, {"files", nlohmann::json::object()}}; }
 
 }  // namespace
+
+std::string rank_file(const std::string& folder, int rank, int world, int part) {
+  char name[96];
+  std::snprintf(name, sizeof(name), "%s/rank-%05d-of-%05d%s.safetensors", folder.c_str(), rank, world,
+                part == 0 ? "" : (".part-" + std::to_string(part)).c_str());
+  return name;
+}
 
 void maybe_killed_for_test(int rank) {
   static const char* env = std::getenv("FSDP_TEST_KILL_RANK_IN_SAVE");

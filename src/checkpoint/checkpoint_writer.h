@@ -17,6 +17,9 @@ namespace fsdp {
 // flattened tensor `key`, stored from element `at` of the file's tensor named by the piece's key.
 using WrittenPart = nlohmann::json;
 
+// A rank's file of a SHARDED or LOCAL save: FOLDER/rank-RRRRR-of-WWWWW[.part-K].safetensors.
+std::string rank_file(const std::string& folder, int rank, int world, int part);
+
 // SHARDED: this rank's pieces as boxes in the whole tensors (more files when a range needs more
 // than one box), written only by the ranks of the first replica (`writes` false: nothing).
 // LOCAL: this rank's raw flat shards and optimizer slices, one file per folder. Buffers are
