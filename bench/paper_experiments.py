@@ -14,6 +14,8 @@ model). One table per experiment on stdout (markdown), one plot each under --out
   checkpoint    activation checkpointing: peak memory against step time, with and without, default GPT
                 at a sequence length where activations dominate
   attention     the fused scaled_dot_product_attention against the written-out form
+  at-scale      not a run: the planner's GPT-175B on 512 A100s (the paper's Fig. 9/10 setting) with issue 26's
+                hpZ and int8 all-gathers, baseline against each and both (bench/cluster/planner_check --at-scale)
 
     bench/paper_experiments --experiments ddp,prefetch,dhen,checkpoint,attention --out-dir docs/img/paper
     bench/paper_experiments --experiments dhen --dhen-cluster 200mbit   # the paper's setting: hybrid within a host
@@ -23,6 +25,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 
 import matplotlib
@@ -103,6 +106,12 @@ def main():
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     chosen = args.experiments.split(",")
+    if "at-scale" in chosen:
+        # The planner's prediction, not a run here: the same table planner_check prints.
+        sys.path.insert(0, os.path.join(ROOT, "bench", "cluster"))
+        import planner_check
+        for gbs in planner_check.AT_SCALE_LINKS:
+            print("\n" + "\n".join(planner_check.at_scale_markdown(planner_check.at_scale(inter_gbs=gbs))))
     launch = ["--nproc-per-node", str(args.nproc), "--steps", str(args.steps)]
     # The default GPT, full_shard, global batch 8: what the prefetch and attention runs share.
     default_gpt = launch + ["--model", "default", "--strategy", "full_shard", "--global-batch-size", "8"]

@@ -118,4 +118,35 @@ inline std::vector<nlohmann::json> expect_ranks(const std::string& mode, int wor
   return r.ranks;
 }
 
+// Rank 0's per-step losses (and the last step's record) of fsdp-train run as a user runs it.
+struct MainJob {
+  std::vector<double> losses;
+  nlohmann::json last;
+};
+inline MainJob main_job(const std::string& args, int steps, int timeout_s = 300) {
+  const std::string metrics = temp_prefix("main-job") + ".jsonl";
+  std::remove(metrics.c_str());
+  const auto run = sh(fsdp_train() + " --steps " + std::to_string(steps) +
+                                     " --log-every 1000 --metrics-jsonl " + metrics + " " + args,
+                                 timeout_s);
+  EXPECT_EQ(run.exit_code, 0) << args << "\n" << run.output;
+  MainJob out{std::vector<double>(steps, -1.0), {}};
+  for (const auto& j : read_jsonl(metrics)) {
+    if (j["rank"] != 0) continue;
+    out.losses.at(j["step"].get<size_t>()) = j["loss"].get<double>();
+    out.last = j;
+  }
+  std::remove(metrics.c_str());
+  return out;
+}
+
+inline void expect_same_losses(const std::vector<double>& got, const std::vector<double>& want, double rel,
+                        const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t s = 0; s < got.size(); ++s) {
+    EXPECT_GT(want[s], 0.0) << what << " step " << s;
+    EXPECT_NEAR(got[s], want[s], rel * std::abs(want[s])) << what << " step " << s;
+  }
+}
+
 }  // namespace fsdp_test

@@ -11,6 +11,9 @@
 
 namespace {
 
+using fsdp_test::expect_same_losses;
+using fsdp_test::main_job;
+
 struct ParityCase {
   std::string strategy;
   int world;
@@ -68,37 +71,6 @@ INSTANTIATE_TEST_SUITE_P(
                     ParityCase{"full_shard", 2, 0, true, "record_function"},
                     ParityCase{"hybrid_shard", 4, 2, false, "record_function"}),
     name_of);
-
-// Rank 0's per-step losses (and the last step's record) of fsdp-train run as a user runs it.
-struct MainJob {
-  std::vector<double> losses;
-  nlohmann::json last;
-};
-MainJob main_job(const std::string& args, int steps, int timeout_s = 300) {
-  const std::string metrics = fsdp_test::temp_prefix("main-job") + ".jsonl";
-  std::remove(metrics.c_str());
-  const auto run = fsdp_test::sh(fsdp_test::fsdp_train() + " --steps " + std::to_string(steps) +
-                                     " --log-every 1000 --metrics-jsonl " + metrics + " " + args,
-                                 timeout_s);
-  EXPECT_EQ(run.exit_code, 0) << args << "\n" << run.output;
-  MainJob out{std::vector<double>(steps, -1.0), {}};
-  for (const auto& j : fsdp_test::read_jsonl(metrics)) {
-    if (j["rank"] != 0) continue;
-    out.losses.at(j["step"].get<size_t>()) = j["loss"].get<double>();
-    out.last = j;
-  }
-  std::remove(metrics.c_str());
-  return out;
-}
-
-void expect_same_losses(const std::vector<double>& got, const std::vector<double>& want, double rel,
-                        const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t s = 0; s < got.size(); ++s) {
-    EXPECT_GT(want[s], 0.0) << what << " step " << s;
-    EXPECT_NEAR(got[s], want[s], rel * std::abs(want[s])) << what << " step " << s;
-  }
-}
 
 // The fused attention (at::scaled_dot_product_attention, fsdp-train's default) against the
 // written-out reference it replaced, trained by fsdp-train as a user runs it: the same losses up to

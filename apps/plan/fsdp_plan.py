@@ -14,11 +14,20 @@ BACKWARD_PRE prefetch the next unit's all-gather is issued before the current un
 computation; each unit's reduce-scatter (and, with replicas, the all-reduce of its shard) is
 issued when its gradients are ready; the rate limiter keeps at most --limit-all-gathers gathers
 in flight; the step ends when the last reduction is done and the optimizer has stepped.
-A collective's time: the bytes on its busiest link (ring algorithms; Gloo's reduce-scatter is an
-all-reduce of the whole input, NCCL's is a ring reduce-scatter) over that link's bandwidth, plus
-a per-message latency. Compute per unit comes from a calibration (per-unit forward and backward
-times measured on the target device, as bench/cluster/planner_check measures them) or from FLOPs at a stated
-throughput (--tflops, --mfu).
+A collective's time: the bytes on its busiest link (ring algorithms; Gloo's reduce-scatter is
+fsdp's own ring by default, as NCCL's, or with --gloo-reduce-scatter all_reduce ProcessGroupGloo's
+all-reduce of the whole input) over that link's bandwidth, plus a per-message latency. Compute
+per unit comes from a calibration (per-unit forward and backward times measured on the target
+device, as bench/cluster/planner_check measures them) or from FLOPs at a stated throughput
+(--tflops, --mfu).
+
+Issue 26's options, as fsdp-train has them: --reshard-after-forward-to N (--hpz: N = ranks per
+host) keeps a secondary shard of each non-root unit after forward, so backward's all-gathers run
+over N consecutive ranks (inside a host when N divides the ranks per host) in the compute dtype;
+--quantize-all-gather int8|fp8 gathers each rank's shard as a byte per element plus an fp32 scale
+per --quantize-block elements (forward's gathers, and backward's without hpZ), about a quarter
+of fp32's bytes or half of bf16's. --quantize-s-per-element charges the (de)quantization's
+compute (default 0: nothing measured yet).
 """
 
 import argparse
@@ -73,9 +82,10 @@ def padded(n, F):
 class Network:
     """Per-collective time from the bytes its busiest link carries (ring algorithms)."""
 
-    def __init__(self, W, G, intra_bps, inter_bps, latency, backend, framing=1.0):
+    def __init__(self, W, G, intra_bps, inter_bps, latency, backend, framing=1.0, gloo_reduce_scatter="ring"):
         self.W, self.G, self.intra, self.inter, self.latency, self.backend = W, G, intra_bps, inter_bps, latency, backend
         self.framing = framing  # wire bytes per payload byte (TCP/IP headers: 1.07 at MTU 1500)
+        self.gloo_reduce_scatter = gloo_reduce_scatter  # fsdp-train --gloo-reduce-scatter
 
     def _ring(self, groups, M_per_rank_send, messages):
         """Time of a ring collective that every group of `groups` runs at once (all shard groups,
@@ -107,8 +117,9 @@ class Network:
 
     def reduce_scatter(self, groups, M):
         n = len(groups[0])
-        if self.backend == "gloo":  # ProcessGroupGloo: an all-reduce of the whole input
-            return self.all_reduce(groups, M)
+        if self.backend == "gloo" and self.gloo_reduce_scatter == "all_reduce":
+            return self.all_reduce(groups, M)  # ProcessGroupGloo's: an all-reduce of the whole input
+        # NCCL's ring, and fsdp's own over Gloo send/recv: n - 1 messages of M / n.
         return self._ring(groups, M * (n - 1) / n, n - 1)
 
 
@@ -118,6 +129,28 @@ def groups_of(W, F):
     shard = [list(range(s * F, (s + 1) * F)) for s in range(W // F)]
     replicate = [list(range(p, W, F)) for p in range(F)] if F > 1 else [list(range(W))]
     return shard, replicate
+
+
+def secondary_groups(W, N):
+    """hpZ's groups: N consecutive global ranks (a host's when N = the ranks per host)."""
+    return [list(range(k * N, (k + 1) * N)) for k in range(W // N)]
+
+
+def quantized_shard_bytes(shard_numel, block):
+    """qwZ: what one rank contributes to a quantized all-gather, P: an fp32 scale per block of
+    `block` elements and a byte per element, the record padded to a multiple of 4 bytes so that
+    every rank's scales stay aligned (src/comm/quantized_all_gather.h)."""
+    return (4 * math.ceil(shard_numel / block) + shard_numel + 3) // 4 * 4
+
+
+def check_issue26(args):
+    """fsdp-train's rules for hpZ, so the planner refuses what the library would."""
+    N = args.reshard_after_forward_to
+    if N and args.strategy not in ("full_shard", "hybrid_shard"):
+        raise SystemExit("fsdp-plan: --reshard-after-forward-to needs a strategy that reshards after forward "
+                         "(full_shard, hybrid_shard), not %s" % args.strategy)
+    if N and (args.F % N or N >= args.F):
+        raise SystemExit("fsdp-plan: --reshard-after-forward-to %d must divide F = %d and be less than it" % (N, args.F))
 
 
 def simulate(model, args, compute, net):
@@ -133,6 +166,9 @@ def simulate(model, args, compute, net):
     gathers = strategy in ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2") and F > 1
     reshard = strategy in ("full_shard", "hybrid_shard")
     replicas = W // F if F > 1 else W
+    N = args.reshard_after_forward_to
+    secondary = secondary_groups(W, N) if N else None
+    quantized = args.quantize_all_gather != "none"
     link_bytes = 0.0
     # Two FIFOs: collectives that cross host links queue for them; those inside a host (a hybrid
     # strategy's shard group) run beside them, as their process groups' threads do.
@@ -151,7 +187,7 @@ def simulate(model, args, compute, net):
     exposed = 0.0
     ag_done = {}
 
-    def gather(u, t_issue):
+    def gather(u, t_issue, backward=False):
         if not gathers or u in ag_done:
             return
         # The rate limiter: at most limit gathers in flight; the issue waits for the oldest.
@@ -159,7 +195,16 @@ def simulate(model, args, compute, net):
             in_flight_gathers[:] = [x for x in in_flight_gathers if x > t_issue]
             while len(in_flight_gathers) >= args.limit_all_gathers:
                 t_issue = max(t_issue, in_flight_gathers.pop(0))
-        d, b, _ = net.all_gather(shard, numel[u] * el_param)
+        if backward and N:
+            # hpZ: from the secondary shards, over N ranks, in the compute dtype.
+            d, b, _ = net.all_gather(secondary, numel[u] * el_param)
+        elif quantized:
+            # qwZ: each rank's P bytes gathered into F P; quantizing the shard and dequantizing
+            # the whole unit delay the gather's completion (charged as part of it).
+            d, b, _ = net.all_gather(shard, F * quantized_shard_bytes(numel[u] // F, args.quantize_block))
+            d += (numel[u] // F + numel[u]) * args.quantize_s_per_element
+        else:
+            d, b, _ = net.all_gather(shard, numel[u] * el_param)
         ag_done[u] = comm(t_issue, d, b)
         in_flight_gathers.append(ag_done[u])
 
@@ -188,9 +233,9 @@ def simulate(model, args, compute, net):
     rev = list(reversed(order))
     for k, u in enumerate(rev):
         if reshard:
-            gather(u, t)
+            gather(u, t, backward=True)
         if args.backward_prefetch and reshard and k + 1 < len(rev):
-            gather(rev[k + 1], t)
+            gather(rev[k + 1], t, backward=True)
         wait(u)
         t += compute["bwd"][u]
         reductions_done = reduce(u, t, numel, shard, replicate, replicas, el_reduce, net, comm, F, strategy)
@@ -234,21 +279,131 @@ def calibrated_compute(model, path):
     return {"fwd": fwd, "bwd": bwd, "root_fwd": c["root_fwd_s"], "root_bwd": c["root_bwd_s"], "optimizer": c["other_s"]}
 
 
-def memory_plan(args):
-    """The library's own per-rank plan (fsdp-train --plan), its peak row, for presets it knows."""
+GIB = 1024.0 ** 3
+# fsdp-train's GPT presets (models/gpt.cpp) that --plan builds.
+PLANNED_PRESETS = ("tiny", "small", "default", "medium", "1b", "175b")
+
+
+def parse_bytes(cell):
+    """'34.47 GiB' / '12.3 MiB' / '5.0 KiB' (format_bytes in src/plan/memory_plan.cpp) -> bytes."""
+    value, unit = cell.split()
+    return float(value) * {"GiB": GIB, "MiB": 1024.0 ** 2, "KiB": 1024.0}[unit]
+
+
+def issue26_flags(args):
+    """fsdp-train's flags for issue 26's options, as this plan has them."""
+    out = ["--quantize-all-gather", args.quantize_all_gather, "--quantize-block", str(args.quantize_block)]
+    if args.reshard_after_forward_to:
+        out += ["--reshard-after-forward-to", str(args.reshard_after_forward_to)]
+    return out
+
+
+def library_plan(args):
+    """The library's own per-rank plan (fsdp-train --plan) for the presets it knows: its peak and
+    the rows issue 26 adds, in bytes (fp32 and bf16 columns). None where fsdp-train is not built or
+    predates the options."""
     exe = os.path.join(ROOT, "build", "bin", "fsdp-train")
-    if args.model not in ("tiny", "small", "default", "medium", "1b", "175b") or not os.path.exists(exe):
+    if args.model not in PLANNED_PRESETS or not os.path.exists(exe):
         return None
     cmd = [exe, "--plan", "--model", args.model, "--world-size", str(args.world), "--ranks-per-node", str(args.ranks_per_host),
-           "--strategy", args.strategy, "--global-batch-size", str(args.batch_per_rank * args.world)]
+           "--strategy", args.strategy, "--global-batch-size", str(args.batch_per_rank * args.world)] + issue26_flags(args)
     if args.strategy.startswith("hybrid"):
         cmd += ["--shard-size", str(args.F)]
+    if args.activation_checkpointing:
+        cmd.append("--activation-checkpointing")
     p = subprocess.run(cmd, capture_output=True, text=True)
+    out = {"fp32": {"secondary_shards": 0.0, "gather_staging": 0.0}, "bf16": {"secondary_shards": 0.0, "gather_staging": 0.0}}
+    rows = {"| **peak": "peak", "|   of which hpZ secondary shards": "secondary_shards",
+            "| all-gather staging copies in flight": "gather_staging"}
+    found = False
     for line in p.stdout.splitlines():
-        if line.startswith("| **peak"):
-            cells = [c.strip(" *") for c in line.split("|")[2:-1]]
-            return {"fp32": cells[0], "bf16": cells[1]}
-    return None
+        for start, key in rows.items():
+            if line.startswith(start):
+                cells = [c.strip(" *") for c in line.split("|")[2:-1]]
+                out["fp32"][key], out["bf16"][key] = parse_bytes(cells[0]), parse_bytes(cells[1])
+                found = found or key == "peak"
+    return out if found else None
+
+
+def python_plan(model, args, compute_bytes, with_activations=True):
+    """src/plan/memory_plan.cpp's plan_memory and backward_peak for a GPT preset, written out again
+    (for when fsdp-train is not built): fp32 master, parameters and gradients in the compute dtype
+    (4: fp32; 2: bf16 mixed precision, reduced in bf16), activations of --batch-per-rank sequences
+    (models/gpt.cpp's activation_bytes: fused attention, no dropout; --activation-checkpointing).
+    Returns {"peak", "secondary_shards", "gather_staging"} in bytes.
+
+    Issue 26 as the library plans it: hpZ's secondary shards (every non-root unit's padded / N in
+    the compute dtype) all held when backward starts, so counted with the gathered parameters; a
+    quantized gather in flight (backward's, without hpZ) holds on Gloo its records and their
+    staging copy, 2 F P, instead of a staging copy of the unit. On NCCL, where the library counts
+    no staging, the planner adds the gathered records, F P: NCCL gathers into them, not into the
+    unit's buffer."""
+    W, F = args.world, args.F
+    N = args.reshard_after_forward_to
+    root, block = padded(model.root_params, F), padded(model.block_params, F)
+    units = [root] + [block] * model.layers
+    shard = sum(u // F for u in units)
+    state = shard * 4 + shard * 4 + 2 * shard * 4   # parameters, gradients (fp32 master) and Adam's two moments
+    gathered = lambda u: u * compute_bytes if (F > 1 or compute_bytes != 4) else 0  # noqa: E731
+    prefetch = 1 if args.backward_prefetch else 0   # fsdp-train's --prefetch-count 1
+    cpu = args.backend == "gloo"
+    quantized_backward = args.quantize_all_gather != "none" and not N and F > 1
+    records = F * quantized_shard_bytes(block // F, args.quantize_block)
+    secondary = model.layers * (block // N) * compute_bytes if N else 0
+    if args.strategy in ("full_shard", "hybrid_shard"):
+        held = 1 + prefetch + (1 if args.forward_prefetch else 0)
+        nonroot = [gathered(block)] * model.layers
+        peak_unsharded = gathered(root) + sum(nonroot[:held]) + secondary
+        head_unsharded = gathered(root) + sum(nonroot[:prefetch]) + secondary
+        if cpu:  # Gloo gathers into a flat copy of its output (of the records, when quantized)
+            staging = prefetch * (2 * records if quantized_backward else gathered(block))
+        else:
+            staging = prefetch * records if quantized_backward else 0
+    else:
+        peak_unsharded = head_unsharded = sum(gathered(u) for u in units)
+        staging = 0
+    tokens, d, T = args.batch_per_rank * model.seq, model.d, model.seq
+    head_act = (tokens * d + 3 * tokens * model.vocab) * compute_bytes
+    per_block = 16 * tokens * d + args.batch_per_rank * model.heads * T * 4 // compute_bytes
+    if args.activation_checkpointing:  # each block keeps its input; one block's again while recomputed
+        activations = ((model.layers + 1) * tokens * d + per_block) * compute_bytes + head_act
+    else:
+        activations = (model.layers * per_block + tokens * d) * compute_bytes + head_act
+    if not with_activations:
+        activations = head_act = 0
+    unit_grads, reduce_buffer = block * compute_bytes, block * compute_bytes
+    if root > block:
+        unit_grads, reduce_buffer = root * compute_bytes, root * compute_bytes
+    root_grads = model.root_params * compute_bytes
+    in_flight_max = 2 if F > 1 else 0                 # kMaxReductionsInFlight
+    replica_buffer = max(units) // F * compute_bytes if F > 1 and W // F > 1 else 0
+    n = max(1, model.layers)
+    spread = activations - min(head_act, activations)
+    peak = head_unsharded + activations + root_grads
+    for j in range(n):
+        in_flight = min(j, in_flight_max) * (reduce_buffer + replica_buffer)
+        during = spread * (n - j) // n + root_grads + unit_grads + in_flight
+        after = spread * (n - j - 1) // n + root_grads + unit_grads + reduce_buffer + in_flight
+        peak = max(peak, peak_unsharded + staging + during, peak_unsharded + staging + after)
+    return {"peak": state + peak, "secondary_shards": secondary, "gather_staging": staging}
+
+
+def memory_plan(model, args):
+    """Per-rank peak, fp32 and bf16 columns as fsdp-train --plan prints them (GiB), with issue 26's
+    hpZ secondary shards and gather staging (quantized records when quantized) among it: the
+    library's plan where fsdp-train is built, else its transcription above."""
+    if model.name not in PLANNED_PRESETS:
+        return None
+    plans = library_plan(args)
+    source = "fsdp-train --plan"
+    if plans is None:
+        plans = {"fp32": python_plan(model, args, 4), "bf16": python_plan(model, args, 2)}
+        source = "src/plan/memory_plan.cpp written out in fsdp_plan.py (fsdp-train not built)"
+    out = {"source": source}
+    for dt in ("fp32", "bf16"):
+        out[dt] = {"peak_gib": plans[dt]["peak"] / GIB, "secondary_shards_gib": plans[dt]["secondary_shards"] / GIB,
+                   "gather_staging_gib": plans[dt]["gather_staging"] / GIB}
+    return out
 
 
 def plan(args):
@@ -262,15 +417,22 @@ def plan(args):
         args.F = 1
     else:
         args.F = args.shard_size or args.ranks_per_host
+    if args.hpz:
+        args.reshard_after_forward_to = args.ranks_per_host
+    check_issue26(args)
     net = Network(args.world, args.ranks_per_host, args.intra_gbs * 1e9, args.inter_gbs * 1e9, args.latency, args.backend,
-                  args.framing)
+                  args.framing, args.gloo_reduce_scatter)
     compute = calibrated_compute(model, args.calibration) if args.calibration else flops_compute(model, args)
+    if args.activation_checkpointing:  # backward recomputes each block's forward first
+        compute["bwd"] = {u: b + compute["fwd"][u] for u, b in compute["bwd"].items()}
     r = simulate(model, args, compute, net)
     tokens = args.batch_per_rank * model.seq
     flops = (3 * (model.layers * model.block_flops_per_token + model.head_flops_per_token)) * tokens
     r.update({"model": args.model, "params": model.total_params(), "world": args.world, "F": args.F,
               "strategy": args.strategy, "tflops_per_rank": flops / r["step_s"] / 1e12,
-              "memory_plan": memory_plan(args) if args.memory else None})
+              "gloo_reduce_scatter": args.gloo_reduce_scatter if args.backend == "gloo" else None,
+              "reshard_after_forward_to": args.reshard_after_forward_to, "quantize_all_gather": args.quantize_all_gather,
+              "memory_plan": memory_plan(model, args) if args.memory else None})
     return r
 
 
@@ -297,8 +459,22 @@ def parser():
     ap.add_argument("--no-backward-prefetch", dest="backward_prefetch", action="store_false")
     ap.add_argument("--forward-prefetch", action="store_true")
     ap.add_argument("--limit-all-gathers", type=int, default=2)
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="every block recomputed in backward (its forward's compute again; fsdp-train's activations)")
     ap.add_argument("--calibration", help="per-unit compute times measured on the device (JSON)")
-    ap.add_argument("--memory", action="store_true", help="add the library's memory plan (fsdp-train --plan)")
+    ap.add_argument("--memory", action="store_true",
+                    help="add the per-rank memory plan (fsdp-train --plan's, and issue 26's additions)")
+    # Issue 26, as fsdp-train has them.
+    ap.add_argument("--gloo-reduce-scatter", default="ring", choices=["ring", "all_reduce"],
+                    help="gloo: fsdp's ring reduce-scatter ((n-1)/n M per rank) or ProcessGroupGloo's all-reduce (twice)")
+    ap.add_argument("--reshard-after-forward-to", type=int, default=0, metavar="N",
+                    help="hpZ: keep a secondary shard over N consecutive ranks; backward gathers over them (0: off)")
+    ap.add_argument("--hpz", action="store_true", help="--reshard-after-forward-to the ranks per host")
+    ap.add_argument("--quantize-all-gather", default="none", choices=["none", "int8", "fp8"],
+                    help="qwZ: parameter all-gathers as a byte per element and an fp32 scale per block")
+    ap.add_argument("--quantize-block", type=int, default=256, help="elements per quantization scale")
+    ap.add_argument("--quantize-s-per-element", type=float, default=0.0,
+                    help="seconds to quantize or dequantize one element (default 0: not measured)")
     return ap
 
 

@@ -47,6 +47,21 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--prefetch-count", c.prefetch_count, "how many units ahead a prefetch reaches")->check(CLI::PositiveNumber);
   app.add_option("--limit-all-gathers", c.limit_all_gathers, "rate limiter: all-gathers in flight at most (0: off)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--gloo-reduce-scatter", c.gloo_reduce_scatter,
+                 "how CPU shard groups reduce-scatter gradients: ring (fsdp's, (F-1)/F of them per rank) or all_reduce "
+                 "(Gloo's, twice the bytes)")
+      ->check(CLI::IsMember({"ring", "all_reduce"}));
+  app.add_option("--reshard-after-forward-to", c.reshard_after_forward_to,
+                 "hpZ: after a unit's forward keep it sharded over groups of N consecutive ranks (1/N per rank) so "
+                 "backward gathers within them; 0: off")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag_callback("--hpz", [&c] { c.reshard_after_forward_to = fsdp::Options::kRanksPerNode; },
+                        "hpZ with N = the ranks per node: backward's all-gathers never cross hosts");
+  app.add_option("--quantize-all-gather", c.quantize_all_gather,
+                 "qwZ: all-gather parameters quantized per block (int8 or fp8 e4m3, one fp32 scale per block), "
+                 "dequantized into the compute dtype; none: off")
+      ->check(CLI::IsMember({"none", "int8", "fp8"}));
+  app.add_option("--quantize-block", c.quantization_block, "elements per quantization scale")->check(CLI::PositiveNumber);
   app.add_option("--trace", c.trace_dir, "write each rank's Chrome trace (trace-rank<r>.json) of one step to this folder");
   app.add_option("--trace-step", c.trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::NonNegativeNumber);
   app.add_flag("--activation-checkpointing", c.activation_checkpointing,
@@ -149,6 +164,10 @@ fsdp::Options fsdp_options(const Config& c) {
   opts.forward_prefetch = c.forward_prefetch;
   opts.prefetch_count = c.prefetch_count;
   opts.limit_all_gathers = c.limit_all_gathers;
+  opts.gloo_reduce_scatter = fsdp::parse_gloo_reduce_scatter(c.gloo_reduce_scatter);
+  opts.reshard_after_forward_to = c.reshard_after_forward_to;
+  opts.quantize_all_gather = fsdp::parse_all_gather_quantization(c.quantize_all_gather);
+  opts.quantization_block = c.quantization_block;
   opts.sync_module_states = c.sync_module_states;
   if (c.mixed_precision != "none") {
     const auto dtype = fsdp::parse_dtype(c.mixed_precision);

@@ -58,6 +58,11 @@ nlohmann::json to_json(const StepRecord& r) {
           {"reducing_grads_peak", m.memory.reducing_grads_peak},
           {"reducing_grads_at_backward_end", m.memory.reducing_grads_at_backward_end},
           {"reductions_in_flight_at_backward_end", m.memory.reductions_in_flight_at_backward_end}};
+  if (m.quantization.quantized_gathers > 0) {
+    j["quantization"] = {{"gathers", m.quantization.quantized_gathers},
+                         {"max_abs_error", m.quantization.max_abs_error},
+                         {"max_abs_weight", m.quantization.max_abs_weight}};
+  }
   if (!r.memory.is_null()) j["memory"] = r.memory;
   if (!r.links.is_null()) j["links"] = r.links;
   j["local_rank"] = r.local_rank;

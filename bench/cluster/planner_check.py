@@ -1,7 +1,9 @@
 """The planner (apps/plan/fsdp_plan.py) against the emulated cluster, then the paper's figures
 redrawn from it with the paper's hardware.
 
-    bench/cluster/planner_check [--results build/bench-cluster/results.json] [--out DIR]
+    bench/cluster/planner_check [--results build/bench-cluster/results.json]
+                                [--comm-results build/bench-cluster/comm_features.json] [--out DIR]
+    bench/cluster/planner_check --at-scale      # only the 512-GPU table of issue 26's options (no root)
 
 1. Calibration, under the same sharing of the 2 cores as the runs it predicts: one run of
    full_shard at 2 hosts x 2 ranks, 1 Gbit/s, traced (fsdp-train --trace): each block's forward
@@ -10,10 +12,13 @@ redrawn from it with the paper's hardware.
    from a traced run on one host (every collective on loopback).
 2. Validation: the planner's step time and per-link bytes for every strategy at 20, 100 and
    1000 Mbit/s against what bench/cluster/run measured (its results.json): only full_shard at
-   1 Gbit/s took part in the calibration.
+   1 Gbit/s took part in the calibration. And issue 26's configurations (comm_features.json, from
+   bench/cluster/run's part 3, where it exists): step time at 20 and 100 Mbit/s, bytes per host
+   link at 2 x 2 and 2 x 4; each must be within 15 %.
 3. The paper's figures with its hardware (A100 at 312 TFLOPS bf16, 8 per host, NVLink, 2 Tb/s
    RoCE per host): GPT-175B TFLOPS per GPU at 128-512 GPUs with and without backward prefetch
-   (paper Fig. 6b/9), T5-11B at 8-512 GPUs, full against hybrid sharding's cross-host traffic.
+   (paper Fig. 6b/9), T5-11B at 8-512 GPUs, full against hybrid sharding's cross-host traffic,
+   and what issue 26's options change for GPT-175B on 512 GPUs (at_scale()).
 Writes planner.json, planner.md and paper_figures.svg/.png to --out.
 """
 
@@ -33,6 +38,12 @@ import fsdp_plan  # noqa: E402
 import run as cluster_run  # noqa: E402
 
 TRAIN = os.path.join(ROOT, "build", "bin", "fsdp-train")
+# What a results.json without "flags" was measured with: fsdp-train before issue 26, whose Gloo
+# reduce-scatter was ProcessGroupGloo's all-reduce (docs/img/cluster/results.json).
+LEGACY_FLAGS = ["--gloo-reduce-scatter", "all_reduce"]
+# The planner's spelling of fsdp-train's issue-26 flags (the same names; --hpz alike).
+PLANNER_FLAGS = ("--gloo-reduce-scatter", "--reshard-after-forward-to", "--hpz", "--quantize-all-gather",
+                 "--quantize-block")
 
 
 def trace_events(path):
@@ -63,8 +74,9 @@ def calibrate(model, batch, steps=12, trace_step=6):
         calib_step_ms = statistics.median(max(r["step_ms"] for r in rows if r["step"] == s) for s in range(2, steps))
         # Loopback: traced runs on one host, every collective over loopback. A collective's time
         # is fitted as a fixed cost plus bytes over a rate (least squares over every all-gather
-        # and reduce-scatter of both ranks, three runs); Gloo's reduce-scatter sends twice what
-        # fsdp counts for it (an all-reduce of the whole input).
+        # and reduce-scatter of both ranks, three runs). These runs have fsdp-train's default ring
+        # reduce-scatter, which sends what fsdp counts for it (ProcessGroupGloo's all-reduce, before
+        # issue 26, sent twice that).
         points = []
         for run in range(3):
             local_dir = os.path.join(d, "local%d" % run)
@@ -76,8 +88,7 @@ def calibrate(model, batch, steps=12, trace_step=6):
             for rank in range(2):
                 for e in trace_events(os.path.join(local_dir, "trace-rank%d.json" % rank)):
                     if e.get("ph") == "X" and e["cat"] in ("all-gather", "reduce-scatter") and e["args"].get("bytes", 0) > 0:
-                        sent = e["args"]["bytes"] * (2 if e["cat"] == "reduce-scatter" else 1)
-                        points.append((sent, e["dur"] / 1e6))
+                        points.append((e["args"]["bytes"], e["dur"] / 1e6))
     n = len(points)
     mx = sum(p[0] for p in points) / n
     my = sum(p[1] for p in points) / n
@@ -92,21 +103,84 @@ def calibrate(model, batch, steps=12, trace_step=6):
             "collective_fixed_s": fixed, "calibration_step_s": calib_step_ms / 1e3}
 
 
-def predict(model_name, strategy, rate_mbit, calib, batch_per_rank):
+def planner_flags(flags):
+    """fsdp-train's issue-26 flags among `flags`, as the planner takes them."""
+    out = []
+    for i, f in enumerate(flags):
+        if f in PLANNER_FLAGS:
+            out += [f] if f == "--hpz" else [f, flags[i + 1]]
+    return out
+
+
+def predict(model_name, strategy, rate_mbit, calib, batch_per_rank, flags=(), hosts=2, per_host=2):
+    """The planner's step for a run on the emulated cluster; `flags`: the run's fsdp-train flags."""
     # What crosses hosts runs at the link's rate or at what the cores can drive, whichever is less.
     rate_mbit = min(rate_mbit, calib.get("drivable_mbit", rate_mbit))
     args = fsdp_plan.parser().parse_args([
-        "--model", model_name, "--world", "4", "--ranks-per-host", "2", "--strategy", strategy,
+        "--model", model_name, "--world", str(hosts * per_host), "--ranks-per-host", str(per_host), "--strategy", strategy,
         "--batch-per-rank", str(batch_per_rank), "--backend", "gloo", "--framing", "1.07",
         "--param-bytes", "4", "--reduce-bytes", "4",
         "--inter-gbs", str(rate_mbit / 8 / 1000.0), "--intra-gbs", str(calib["loopback_bytes_per_s"] / 1e9),
-        "--latency", str(calib["collective_fixed_s"] / 2)])  # per message: a 2-rank collective sends 2
+        "--latency", str(calib["collective_fixed_s"] / 2)] + planner_flags(flags))  # per message: a 2-rank collective sends 2
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(calib, f)
     args.calibration = f.name
     r = fsdp_plan.plan(args)
     os.unlink(f.name)
     return r
+
+
+# Issue 26 at the paper's scale: (label, planner flags). NCCL there: its reduce-scatter is a ring
+# already, so --gloo-reduce-scatter changes nothing and is not a row.
+AT_SCALE = [
+    ("baseline", []),
+    ("+ hpZ (N = 8, the host)", ["--hpz"]),
+    ("+ int8 all-gather", ["--quantize-all-gather", "int8"]),
+    ("+ hpZ + int8 (all three)", ["--hpz", "--quantize-all-gather", "int8"]),
+]
+
+
+# The paper's 2 Tb/s per host, and a fifth of it, where backward's gathers no longer hide.
+AT_SCALE_LINKS = (250.0, 50.0)
+
+
+def at_scale(W=512, model="175b", inter_gbs=None):
+    """GPT-175B on W A100s, 8 per host (the paper's Fig. 9/10 setting, bf16, batch 1 per GPU):
+    predicted step, TFLOPS per GPU, exposed communication, bytes per host link and the per-rank
+    memory (bf16 column: without activations, and with checkpointed activations) of each option.
+    inter_gbs: GB/s per host link instead of the paper's 250 (2 Tb/s RoCE). Memory comes from
+    fsdp_plan's transcription of the library's plan, so the table needs no build."""
+    rows = []
+    for label, flags in AT_SCALE:
+        argv = ["--model", model, "--world", str(W), "--ranks-per-host", "8", "--hardware", "a100-roce",
+                "--batch-per-rank", "1", "--strategy", "full_shard"] + flags
+        args = fsdp_plan.apply_hardware(fsdp_plan.parser().parse_args(argv))
+        if inter_gbs:
+            args.inter_gbs = inter_gbs
+        r = fsdp_plan.plan(args)
+        m = fsdp_plan.Model(model, *fsdp_plan.MODELS[model])
+        bare = fsdp_plan.python_plan(m, args, 2, with_activations=False)
+        args.activation_checkpointing = True
+        checkpointed = fsdp_plan.python_plan(m, args, 2)
+        rows.append({"label": label, "flags": flags, "W": W, "inter_gbs": args.inter_gbs, "step_s": r["step_s"],
+                     "tflops": r["tflops_per_rank"], "exposed_s": r["exposed_comm_s"], "link_bytes": r["link_bytes"],
+                     "secondary_gib": bare["secondary_shards"] / fsdp_plan.GIB,
+                     "staging_gib": bare["gather_staging"] / fsdp_plan.GIB,
+                     "memory_gib": bare["peak"] / fsdp_plan.GIB,
+                     "memory_checkpointed_gib": checkpointed["peak"] / fsdp_plan.GIB})
+    return rows
+
+
+def at_scale_markdown(rows):
+    L = ["| GPT-175B, %d A100s (8 per host, %.0f Gb/s per host link), full_shard, bf16 | step | TFLOPS/GPU | exposed comm | bytes per host link "
+         "| per-rank memory, no activations | with checkpointed activations (batch 1; memory only) "
+         "| of which hpZ's secondary shards | of which quantized records in flight |"
+         % (rows[0]["W"], rows[0]["inter_gbs"] * 8), "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        L.append("| %s | %.2f s | %.0f | %.2f s | %.0f GB | %.1f GiB | %.1f GiB | %.1f GiB | %.1f GiB |" % (
+            r["label"], r["step_s"], r["tflops"], r["exposed_s"], r["link_bytes"] / 1e9, r["memory_gib"],
+            r["memory_checkpointed_gib"], r["secondary_gib"], r["staging_gib"]))
+    return L
 
 
 def paper_figures(out):
@@ -162,17 +236,61 @@ def paper_figures(out):
     axes[2].set_ylabel("GB")
     axes[2].legend()
     fig.tight_layout()
+    fig_rows += [dict(r, figure="issue26") for gbs in AT_SCALE_LINKS for r in at_scale(inter_gbs=gbs)]
     fig.savefig(os.path.join(out, "paper_figures.svg"))
     fig.savefig(os.path.join(out, "paper_figures.png"), dpi=110)
     return fig_rows
 
 
+def comm_check(path, model, batch, calib):
+    """Issue 26's configurations, predicted against bench/cluster/run's part 3: step time at 2 x 2
+    (20 and 100 Mbit/s) and bytes per host link (2 x 2 and 2 x 4)."""
+    measured = json.load(open(path))
+    rows = []
+    for m in measured["bandwidth"]:
+        rate = cluster_run.mbit(m["rate"])
+        p = predict(model, m["strategy"], rate, calib, batch // 4, m["flags"])
+        rows.append({"kind": "step", "label": m["label"], "topology": "2 x 2", "link": "%d Mbit/s" % rate,
+                     "measured": m["step_ms_median"], "predicted": p["step_s"] * 1e3})
+    for t in measured["traffic"]:
+        W = t["hosts"] * t["per_host"]
+        p = predict(model, t["strategy"], 1000, calib, batch // W, t["flags"], t["hosts"], t["per_host"])
+        rows.append({"kind": "bytes", "label": t["label"], "topology": "%d x %d" % (t["hosts"], t["per_host"]),
+                     "link": "1000 Mbit/s", "measured": t["measured_tx"], "predicted": p["link_bytes"]})
+    for r in rows:
+        r["ratio"] = r["predicted"] / r["measured"]
+    return rows
+
+
+def comm_markdown(rows):
+    L = ["| issue 26 configuration | hosts x ranks | link | measured | predicted | predicted / measured |",
+         "|---|---|---|---|---|---|"]
+    for r in rows:
+        unit = (lambda v: "%.0f ms" % v) if r["kind"] == "step" else (lambda v: "%.1f KB per host link" % (v / 1e3))
+        L.append("| %s | %s | %s | %s | %s | %.2f%s |" % (r["label"], r["topology"], r["link"], unit(r["measured"]),
+                                                        unit(r["predicted"]), r["ratio"],
+                                                        "" if abs(r["ratio"] - 1) <= 0.15 else " (beyond 15 %)"))
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    L += ["", "Worst: %s, %s, %s: %.2f (%s 15 %%)." % (worst["label"], worst["topology"], worst["link"], worst["ratio"],
+                                                      "within" if abs(worst["ratio"] - 1) <= 0.15 else "NOT within")]
+    return L
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(ROOT, "build", "bench-cluster", "results.json"))
+    ap.add_argument("--comm-results", default=os.path.join(ROOT, "build", "bench-cluster", "comm_features.json"),
+                    help="bench/cluster/run's part 3 (issue 26); left out where it does not exist")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench-cluster"))
+    ap.add_argument("--at-scale", action="store_true",
+                    help="print only the 512-GPU table of issue 26's options (no cluster, no root)")
     a = ap.parse_args()
+    if a.at_scale:
+        for gbs in AT_SCALE_LINKS:
+            print("\n".join(at_scale_markdown(at_scale(inter_gbs=gbs))) + "\n")
+        return
     measured = json.load(open(a.results))
+    flags = measured.get("flags", LEGACY_FLAGS)
     model, batch = measured["model"], measured["batch"]
     calib = calibrate(model, batch)
     # The one fitted figure: the cross-host rate that 4 ranks on 2 cores can drive through Gloo
@@ -192,7 +310,7 @@ def main():
     rows = []
     for m in measured["bandwidth"]:
         rate = cluster_run.mbit(m["rate"])
-        p = predict(model, m["strategy"], rate, calib, batch // 4)
+        p = predict(model, m["strategy"], rate, calib, batch // 4, flags)
         rows.append({"strategy": m["strategy"], "mbit": rate, "measured_ms": m["step_ms_median"],
                      "predicted_ms": p["step_s"] * 1e3, "ratio": p["step_s"] * 1e3 / m["step_ms_median"],
                      "predicted_link_bytes": p["link_bytes"],
@@ -201,12 +319,13 @@ def main():
     for t in measured["traffic"]:
         if t["hosts"] != 2 or t["per_host"] != 2:
             continue
-        p = predict(model, t["strategy"], 1000, calib, batch // 4)
+        p = predict(model, t["strategy"], 1000, calib, batch // 4, flags)
         traffic_rows.append({"strategy": t["strategy"], "measured_tx": t["measured_tx"], "predicted": p["link_bytes"],
                              "ratio": p["link_bytes"] / t["measured_tx"]})
+    comm_rows = comm_check(a.comm_results, model, batch, calib) if os.path.exists(a.comm_results) else None
     figs = paper_figures(a.out)
-    res = {"calibration": calib, "step_time": rows, "traffic": traffic_rows, "paper": figs,
-           "command": "bench/cluster/planner_check " + " ".join(sys.argv[1:])}
+    res = {"calibration": calib, "step_time": rows, "traffic": traffic_rows, "paper": figs, "comm_features": comm_rows,
+           "measured_with": flags, "command": "bench/cluster/planner_check " + " ".join(sys.argv[1:])}
     json.dump(res, open(os.path.join(a.out, "planner.json"), "w"), indent=1)
     L = ["| strategy | link | measured step | predicted | predicted / measured |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["strategy"], r["mbit"])):
@@ -216,12 +335,16 @@ def main():
     L += ["", "| strategy | measured bytes per host link and step (tx) | planner | planner / measured |", "|---|---|---|---|"]
     for r in traffic_rows:
         L.append("| %s | %.1f KB | %.1f KB | %.2f |" % (r["strategy"], r["measured_tx"] / 1e3, r["predicted"] / 1e3, r["ratio"]))
+    if comm_rows:
+        L += [""] + comm_markdown(comm_rows)
     L += ["", "| figure | GPUs | variant | predicted TFLOPS/GPU | step | exposed communication |", "|---|---|---|---|---|---|"]
-    for r in figs:
+    for r in (r for r in figs if r["figure"] != "issue26"):
         variant = r.get("strategy") or ("prefetch" if r.get("prefetch") else ("no prefetch" if "prefetch" in r else ""))
         L.append("| %s | %d | %s | %.0f | %.2f s | %s |" % (r["figure"], r["W"], variant, r["tflops"], r["step_s"],
                                                           "%.2f s" % r["exposed_s"] if "exposed_s" in r else
                                                           "%.1f GB per host link" % (r["link_bytes"] / 1e9)))
+    for gbs in AT_SCALE_LINKS:
+        L += [""] + at_scale_markdown([r for r in figs if r["figure"] == "issue26" and r["inter_gbs"] == gbs])
     open(os.path.join(a.out, "planner.md"), "w").write("\n".join(L) + "\n")
     print("\n".join(L))
 

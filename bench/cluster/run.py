@@ -1,7 +1,7 @@
 """fsdp on an emulated cluster (scripts/cluster): wire traffic per strategy and topology, and step
 time against cross-host bandwidth.
 
-    bench/cluster/run [--quick] [--out DIR] [--model small] [--repeats 3]
+    bench/cluster/run [--quick] [--out DIR] [--model small] [--repeats 3] [--only-comm | --no-comm]
 
 Part 1, traffic: each strategy at 2 hosts x 2 ranks, 4 x 1 and 2 x 4, links at 1 Gbit/s. Per host
 and step: the bytes its link sent and received (the kernel's counters, less the idle baseline
@@ -12,6 +12,16 @@ Part 2, bandwidth: each strategy at 2 x 2 with links at 20, 100 and 1000 Mbit/s:
 time (of each run's steps after the first two, then the median over runs, run in interleaved
 order), the peak live tensor bytes per rank, and the speedup of hybrid sharding over full
 sharding. Writes results.json, results.md and bandwidth.svg (and .png) to --out.
+
+Part 3, issue 26's communication options (COMM_CONFIGS: full_shard with Gloo's old all-reduce
+reduce-scatter beside fsdp's ring, the new default; + hpZ; + int8 all-gathers; all three; and
+hybrid_shard): bytes per host link at 2 x 2 and 2 x 4 (1 Gbit/s) against the exact volume and M
+(the fp32 parameters), step times at 2 x 2 with links at 20 and 100 Mbit/s. Writes
+comm_features.json and comm_features.md. --only-comm runs this part alone (parts 1 and 2 take
+most of the time); --no-comm leaves it out.
+
+Runs use the fsdp-train in build/bin with its defaults: since issue 26 its Gloo reduce-scatter is
+the ring, so parts 1 and 2 measure that (the results record the flags the runs had).
 """
 
 import argparse
@@ -27,8 +37,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import traffic  # noqa: E402
+import traffic_model  # noqa: E402
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+
+# Issue 26: (label, strategy, fsdp-train flags). "All three" is the ring reduce-scatter (the
+# default), hpZ within the host and int8 all-gathers.
+COMM_CONFIGS = [
+    ("full_shard, all_reduce RS (before)", "full_shard", ["--gloo-reduce-scatter", "all_reduce"]),
+    ("full_shard (ring RS)", "full_shard", []),
+    ("full_shard + hpZ", "full_shard", ["--hpz"]),
+    ("full_shard + int8 AG", "full_shard", ["--quantize-all-gather", "int8"]),
+    ("full_shard + ring RS + hpZ + int8 AG", "full_shard", ["--hpz", "--quantize-all-gather", "int8"]),
+    ("hybrid_shard", "hybrid_shard", []),
+]
+# The issue's target: full_shard with all three at or below this many M per host link and step.
+TARGET_M = 1.3
+
+
+def comm_of(flags, per_host):
+    """traffic_model.Comm of an fsdp-train command line's communication flags."""
+    def value(name, default):
+        return flags[flags.index(name) + 1] if name in flags else default
+    hpz = per_host if "--hpz" in flags else int(value("--reshard-after-forward-to", 0))
+    return traffic_model.Comm(value("--gloo-reduce-scatter", "ring"), hpz, value("--quantize-all-gather", "none"),
+                              int(value("--quantize-block", 256)))
 
 
 def cluster(hosts, per_host, rate, program, timeout=600, counters=None):
@@ -100,6 +133,79 @@ def part_traffic(args, idle, log):
                  rec["comm_bytes_per_host"]))
             out.append(rec)
     return out
+
+
+def part_comm_traffic(args, idle, log):
+    out = []
+    M = sum(n for n, _ in traffic_model.unit_numels(args.model, 1)) * 4  # the fp32 parameters
+    for hosts, per_host in [(2, 2)] + ([] if args.quick else [(2, 4)]):
+        for label, s, flags in COMM_CONFIGS:
+            rows = train(hosts, per_host, "1gbit", s, args.model, args.steps, args.batch, flags)
+            # Every row's exact volume from the model's units, so the configurations compare alike.
+            a = traffic.analyze(rows, hosts, per_host, s, idle_bytes_per_s=idle, comm=comm_of(flags, per_host),
+                                model=args.model, from_units=True)
+            mean = lambda k: statistics.mean(h[k] for h in a["hosts"])  # noqa: E731
+            rec = {"hosts": hosts, "per_host": per_host, "label": label, "strategy": s, "flags": flags, "F": a["F"],
+                   "measured_tx": mean("measured_tx"), "measured_rx": mean("measured_rx"),
+                   "predicted_tx": mean("predicted_tx"), "predicted_rx": mean("predicted_rx"),
+                   "payload_tx": mean("payload_tx"), "comm_bytes_per_host": mean("comm_bytes_of_ranks"),
+                   "comm_bytes_expected": mean("comm_bytes_of_ranks_expected"), "exact_from": a["exact_from"], "M": M}
+            log("comm traffic %dx%d %-38s measured tx %9.0f (%.2f M)  exact %9.0f  (%.3f)" %
+                (hosts, per_host, label, rec["measured_tx"], rec["measured_tx"] / M, rec["predicted_tx"],
+                 rec["measured_tx"] / rec["predicted_tx"]))
+            out.append(rec)
+    return out
+
+
+def part_comm_bandwidth(args, log):
+    rates = ["20mbit", "100mbit"]
+    runs = {}
+    for rep in range(args.repeats):
+        for rate in rates:
+            for label, s, flags in COMM_CONFIGS:
+                rows = train(2, 2, rate, s, args.model, args.bw_steps, args.batch, flags)
+                runs.setdefault((rate, label), []).append((step_ms(rows), peak_bytes(rows)))
+                log("comm bandwidth rep %d %-8s %-38s step %.1f ms" % (rep, rate, label, runs[(rate, label)][-1][0]))
+    out = []
+    for label, s, flags in COMM_CONFIGS:
+        for rate in rates:
+            v = runs[(rate, label)]
+            ms = [x[0] for x in v]
+            out.append({"rate": rate, "label": label, "strategy": s, "flags": flags,
+                        "step_ms_median": statistics.median(ms), "step_ms_min": min(ms), "step_ms_max": max(ms),
+                        "peak_live_bytes": max(x[1] for x in v), "runs": len(v)})
+    return out
+
+
+def write_comm_markdown(res, path):
+    L = ["Issue 26: per host link and training step, `%s` GPT (M = %.1f KB of fp32 parameters), global batch %d, "
+         "links at 1 Gbit/s; idle baseline %.0f B/s subtracted." % (res["model"], res["traffic"][0]["M"] / 1e3,
+                                                                   res["batch"], res["idle_bytes_per_s"]), ""]
+    L.append("| hosts x ranks | configuration | measured tx | measured rx | exact volume | measured / exact | "
+             "measured / M | payload (collectives) | fsdp comm_bytes of the host's ranks | the same, modelled |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in res["traffic"]:
+        L.append("| %d x %d | %s | %.1f KB | %.1f KB | %.1f KB | %.3f | %.2f | %.1f KB | %.1f KB | %.1f KB |" % (
+            r["hosts"], r["per_host"], r["label"], r["measured_tx"] / 1e3, r["measured_rx"] / 1e3,
+            r["predicted_tx"] / 1e3, r["measured_tx"] / r["predicted_tx"], r["measured_tx"] / r["M"],
+            r["payload_tx"] / 1e3, r["comm_bytes_per_host"] / 1e3, r["comm_bytes_expected"] / 1e3))
+    L.append("")
+    for r in res["traffic"]:
+        if r["label"] == COMM_CONFIGS[4][0]:
+            ratio = r["measured_tx"] / r["M"]
+            L.append("Target (full_shard with all three at or below %.1f M per host link and step), %d x %d: "
+                     "%.2f M, %s." % (TARGET_M, r["hosts"], r["per_host"], ratio, "met" if ratio <= TARGET_M else "NOT met"))
+    L += ["", "Step time at 2 hosts x 2 ranks (median of %d runs; min-max in brackets) and peak live tensor bytes "
+          "per rank:" % res["repeats"], ""]
+    rates = ["20mbit", "100mbit"]
+    L.append("| configuration | " + " | ".join("%d Mbit/s" % mbit(r) for r in rates) + " | peak per rank |")
+    L.append("|---|" + "---|" * (len(rates) + 1))
+    for label, _, _ in COMM_CONFIGS:
+        xs = [next(r for r in res["bandwidth"] if r["rate"] == rate and r["label"] == label) for rate in rates]
+        L.append("| %s | %s | %.2f MB |" % (label, " | ".join("%.0f ms [%.0f-%.0f]" % (x["step_ms_median"], x["step_ms_min"],
+                                                                                     x["step_ms_max"]) for x in xs),
+                                            max(x["peak_live_bytes"] for x in xs) / 1e6))
+    open(path, "w").write("\n".join(L) + "\n")
 
 
 def part_bandwidth(args, log):
@@ -201,6 +307,8 @@ def main():
     ap.add_argument("--bw-steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="no 2 x 4 topology, one repeat")
+    ap.add_argument("--only-comm", action="store_true", help="only part 3 (issue 26's configurations)")
+    ap.add_argument("--no-comm", action="store_true", help="parts 1 and 2 only (the strategies)")
     args = ap.parse_args()
     if args.quick:
         args.repeats = 1
@@ -212,14 +320,24 @@ def main():
 
     idle = idle_baseline(2)
     log("idle baseline: %.1f bytes/s per host link" % idle)
-    res = {"model": args.model, "batch": args.batch, "repeats": args.repeats, "idle_bytes_per_s": idle,
-           "command": " ".join(["bench/cluster/run"] + sys.argv[1:])}
-    res["traffic"] = part_traffic(args, idle, log)
-    res["bandwidth"] = part_bandwidth(args, log)
-    json.dump(res, open(os.path.join(args.out, "results.json"), "w"), indent=1)
-    write_markdown(res, os.path.join(args.out, "results.md"))
-    plot(res, os.path.join(args.out, "bandwidth"))
-    log("wrote %s/results.json, results.md, bandwidth.svg and bandwidth.png" % args.out)
+    common = {"model": args.model, "batch": args.batch, "repeats": args.repeats, "idle_bytes_per_s": idle,
+              "command": " ".join(["bench/cluster/run"] + sys.argv[1:])}
+    if not args.only_comm:
+        # Every run with fsdp-train's defaults (planner_check predicts them with these flags).
+        res = dict(common, flags=[])
+        res["traffic"] = part_traffic(args, idle, log)
+        res["bandwidth"] = part_bandwidth(args, log)
+        json.dump(res, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+        write_markdown(res, os.path.join(args.out, "results.md"))
+        plot(res, os.path.join(args.out, "bandwidth"))
+        log("wrote %s/results.json, results.md, bandwidth.svg and bandwidth.png" % args.out)
+    if not args.no_comm:
+        res = dict(common)
+        res["traffic"] = part_comm_traffic(args, idle, log)
+        res["bandwidth"] = part_comm_bandwidth(args, log)
+        json.dump(res, open(os.path.join(args.out, "comm_features.json"), "w"), indent=1)
+        write_comm_markdown(res, os.path.join(args.out, "comm_features.md"))
+        log("wrote %s/comm_features.json and comm_features.md" % args.out)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,16 @@ struct DetectionStats {
   int64_t operator_calls_at_rest = 0;    // outside them (the optimizer's updates, reads of parameters)
 };
 
+// What quantized all-gathers (Options::quantize_all_gather) cost in accuracy since the last
+// reset_step(), measured on this rank's shards as they were quantized: the largest
+// |dequantized - master| of any element, and the largest |master| of the units it was measured on
+// (their ratio is the worst error relative to the weights).
+struct QuantizationStats {
+  int64_t quantized_gathers = 0;
+  double max_abs_error = 0.0;
+  double max_abs_weight = 0.0;
+};
+
 struct Metrics {
   int64_t step = 0;  // number of reset_step() calls so far
   CommBytes comm;    // since the last reset_step()
@@ -77,6 +87,7 @@ struct Metrics {
   OverlapStats overlap;
   DetectionStats detection;
   DeviceMemoryStats device;
+  QuantizationStats quantization;
 };
 
 }  // namespace fsdp

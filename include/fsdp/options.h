@@ -55,6 +55,30 @@ enum class UnitDetection {
 UnitDetection parse_unit_detection(const std::string& name);
 std::string to_string(UnitDetection mode);
 
+// How a CPU (Gloo) shard group reduce-scatters gradients. NCCL always uses its own (a ring).
+enum class GlooReduceScatter {
+  RING,        // fsdp's ring over Gloo's send/recv: (F-1)/F of a unit's gradients per rank (default)
+  ALL_REDUCE,  // Gloo's reduce-scatter, an all-reduce of the whole input: twice those bytes
+};
+
+// "ring", "all_reduce".
+GlooReduceScatter parse_gloo_reduce_scatter(const std::string& name);
+std::string to_string(GlooReduceScatter mode);
+
+// Quantized all-gather of parameters (ZeRO++'s qwZ; quantized_all_gather.h): each rank quantizes
+// its shard in blocks with one fp32 scale each, the all-gather moves those bytes, and every rank
+// dequantizes into the compute dtype. The master weights, the optimizer and the gradients' reduction
+// are untouched; what a unit computes with is its parameters to within the quantization's error.
+enum class AllGatherQuantization {
+  NONE,
+  INT8,      // symmetric, scale = max|x| / 127 per block: error <= max|x| / 254 of the block
+  FP8_E4M3,  // scale = max|x| / 448 per block, then e4m3 (3 mantissa bits: relative error <= 1/16)
+};
+
+// "none", "int8", "fp8".
+AllGatherQuantization parse_all_gather_quantization(const std::string& name);
+std::string to_string(AllGatherQuantization mode);
+
 // Native mixed precision (paper §4.4). The sharded parameters stay in their own (fp32) dtype and
 // are what the optimizer steps; each unit is cast once to param_dtype before its all-gather, so
 // the all-gather and the computation run in param_dtype; gradients are reduced in reduce_dtype and
@@ -151,6 +175,20 @@ struct Options {
   // far the CPU can run ahead of the caching allocator); on CPU until the compute thread has
   // waited for it.
   int limit_all_gathers = 2;
+
+  // --- fewer bytes on the wire (ZeRO++'s three ideas; issue 26) ---
+  GlooReduceScatter gloo_reduce_scatter = GlooReduceScatter::RING;
+  // hpZ (FSDP2's reshard_after_forward=<int>): after a unit's forward, keep its gathered
+  // parameters sharded over groups of this many consecutive ranks (a secondary shard of 1/N of the
+  // unit per rank, in the compute dtype) instead of freeing them to the F-way shard, so that
+  // backward's all-gather runs within the group: with N = ranks per host it never crosses hosts.
+  // 0: off; kRanksPerNode: N = LOCAL_WORLD_SIZE. N must divide F and be smaller; only for the
+  // strategies that reshard after forward (FULL_SHARD, HYBRID_SHARD). The memory plan counts the
+  // secondary shards.
+  static constexpr int kRanksPerNode = -1;
+  int reshard_after_forward_to = 0;
+  AllGatherQuantization quantize_all_gather = AllGatherQuantization::NONE;
+  int quantization_block = 256;  // elements per scale
 
   // Mixed precision; unset: everything in the parameters' own dtype.
   std::optional<MixedPrecision> mixed_precision;

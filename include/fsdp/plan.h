@@ -5,8 +5,8 @@
 //   sharded gradients   the same count, in that dtype (param_dtype with keep_low_precision_grads)
 //   Adam state          2 × the sharded parameters (exp_avg, exp_avg_sq), fp32
 //   unsharded units     the peak of gathered parameters in param_dtype: with reshard after forward,
-//                       the root unit + the unit computing + the prefetched ones (largest first);
-//                       without it, every unit
+//                       the root unit + the unit computing + the prefetched ones (largest first)
+//                       + with hpZ every unit's secondary shard; without it, every unit
 //   unsharded gradients one unit's gradients in param_dtype while its reduction is being prepared,
 //                       plus its reduce buffer in reduce_dtype and, with F > 1, the buffers of the
 //                       reduce-scatters still in flight (at most 2 more: backward waits beyond)
@@ -45,6 +45,10 @@ struct MemoryPlan {
   // at the end: the units backward prefetches hold that second copy while their all-gather runs
   // (counted while the units' backwards run: measured there, not at the head's moment).
   int64_t gather_staging = 0;
+  // hpZ (Options::reshard_after_forward_to = N): every non-root unit's 1/N, in the compute dtype,
+  // held from its forward to its backward; included in peak_unsharded_params and
+  // head_unsharded_params (all of them are held when backward starts).
+  int64_t secondary_shards = 0;
   int64_t peak_unsharded_grads = 0;
   int64_t activations = 0;  // the caller's estimate (Options::memory_budget.activation_bytes)
   // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the

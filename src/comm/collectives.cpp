@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "comm/ring_reduce_scatter.h"
+
 namespace fsdp {
 namespace {
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
@@ -15,15 +17,18 @@ WorkPtr all_gather_into(const GroupPtr& group, at::Tensor out, at::Tensor in, Co
   return group->_allgather_base(out, in);
 }
 
-WorkPtr reduce_scatter_sum(const GroupPtr& group, at::Tensor out, at::Tensor in, CommBytes& stats) {
+WorkPtr reduce_scatter_sum(const GroupPtr& group, at::Tensor out, at::Tensor in, CommBytes& stats,
+                           RingReduceScatter* ring) {
   const int64_t g = group->getSize();
   TORCH_CHECK(in.numel() == g * out.numel(), "reduce_scatter_sum: input must hold group_size x output");
   stats.reduce_scatter += bytes_of(in) * (g - 1) / g;
   stats.reduce_scatter_calls += 1;
-  // In place (`out` is this rank's slot of `in`, as NCCL defines an in-place reduce-scatter) on a
-  // CPU group: Gloo's reduce-scatter all-reduces a flattened copy of its whole input (measured on
-  // the wire, issue 12), so all-reducing the caller's buffer itself moves the same bytes, gives the
-  // same sums, and saves the copy: one unit's unsharded gradients per reduction in flight, not two.
+  if (ring && in.is_cpu()) return ring->enqueue(std::move(out), std::move(in));
+  // Gloo's own (Options::gloo_reduce_scatter = ALL_REDUCE), or NCCL's. In place (`out` is this
+  // rank's slot of `in`, as NCCL defines an in-place reduce-scatter) on a CPU group: Gloo's
+  // reduce-scatter all-reduces a flattened copy of its whole input (measured on the wire, issue
+  // 12), so all-reducing the caller's buffer itself moves the same bytes, gives the same sums, and
+  // saves the copy: one unit's unsharded gradients per reduction in flight, not two.
   const bool in_place = out.is_cpu() && in.is_contiguous() && out.is_contiguous() &&
                         out.data_ptr() == static_cast<char*>(in.data_ptr()) + group->getRank() * bytes_of(out);
   if (in_place) {

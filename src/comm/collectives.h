@@ -15,8 +15,12 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // out (G·n elements) <- concatenation of every rank's `in` (n elements), in group-rank order.
 WorkPtr all_gather_into(const GroupPtr& group, at::Tensor out, at::Tensor in, CommBytes& stats);
-// out (n elements) <- this rank's chunk of the sum over ranks of `in` (G·n elements).
-WorkPtr reduce_scatter_sum(const GroupPtr& group, at::Tensor out, at::Tensor in, CommBytes& stats);
+class RingReduceScatter;
+// out (n elements) <- this rank's chunk of the sum over ranks of `in` (G·n elements). With `ring`
+// (CPU groups, ring_reduce_scatter.h) the ring moves (G-1)/G of the input per rank; without it,
+// Gloo's own reduce-scatter moves twice that (an all-reduce of the whole input).
+WorkPtr reduce_scatter_sum(const GroupPtr& group, at::Tensor out, at::Tensor in, CommBytes& stats,
+                           RingReduceScatter* ring = nullptr);
 // t <- sum over ranks of t, in place.
 WorkPtr all_reduce_sum(const GroupPtr& group, at::Tensor t, CommBytes& stats);
 // t <- element-wise max over ranks of t, in place; counted as the sequence check's bytes.

@@ -31,6 +31,12 @@ CommContext::CommContext(c10::Device device, MeshInfo mesh)
   timeline_.set_workers_per_group(streams_.active() ? 1 : kGlooThreadsPerGroup);
 }
 
+void CommContext::set_param_quantization(AllGatherQuantization mode, int block) {
+  quantized_record(0, block);  // validates the block
+  quantization_ = mode;
+  quantization_block_ = block;
+}
+
 std::string CommContext::unit_name(int unit) const {
   if (unit < 0 || unit >= static_cast<int>(unit_names_.size())) return "";
   return unit_names_[static_cast<size_t>(unit)].empty() ? "<root>" : unit_names_[static_cast<size_t>(unit)];
@@ -40,6 +46,7 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
                             const std::function<Buffers()>& prepare, const InFlight* after) {
   const GroupPtr& group = over == Over::SHARD_GROUP ? mesh_.shard_group
                           : over == Over::REPLICAS  ? mesh_.replicate_group
+                          : over == Over::SECONDARY ? mesh_.secondary_group
                                                     : mesh_.world_group;
   // The world group takes CPU tensors (Gloo) whatever the device: no stream there.
   std::optional<CommStreams::Issue> on_stream;
@@ -56,7 +63,9 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
   const int64_t before = bytes_.total();
   switch (kind) {
     case CommKind::ALL_GATHER: f.work = all_gather_into(group, b.out, b.in, bytes_); break;
-    case CommKind::REDUCE_SCATTER: f.work = reduce_scatter_sum(group, b.out, b.in, bytes_); break;
+    case CommKind::REDUCE_SCATTER:
+      f.work = reduce_scatter_sum(group, b.out, b.in, bytes_, over == Over::SHARD_GROUP ? mesh_.shard_ring.get() : nullptr);
+      break;
     case CommKind::ALL_REDUCE: f.work = all_reduce_sum(group, b.out, bytes_); break;
     case CommKind::SEQUENCE_CHECK: f.work = sequence_check_max(group, b.out, bytes_); break;
     case CommKind::WRITE_MERGE: f.work = all_reduce_max(group, b.out, bytes_); break;

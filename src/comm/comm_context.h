@@ -26,12 +26,18 @@
 #include "comm/collectives.h"
 #include "comm/comm_streams.h"
 #include "comm/mesh_info.h"
+#include "comm/quantized_all_gather.h"
 #include "observe/timeline.h"
 
 namespace fsdp {
 
 // Which group a collective runs over.
-enum class Over { SHARD_GROUP, REPLICAS, WORLD };
+enum class Over {
+  SHARD_GROUP,
+  REPLICAS,
+  WORLD,
+  SECONDARY,  // hpZ: the N-rank group backward gathers a unit over from its secondary shards
+};
 
 // The buffers of one collective: all-gather out <- in; reduce-scatter out <- in; all-reduce in
 // place on `out` (in is ignored).
@@ -64,6 +70,13 @@ class CommContext {
   // Unit names for errors and traces (index -> name; "" is the root unit).
   void set_unit_names(std::vector<std::string> names) { unit_names_ = std::move(names); }
   std::string unit_name(int unit) const;
+  // How units' parameters travel in their all-gathers for compute (quantized_all_gather.h):
+  // NONE, or quantized in blocks of `block` elements. Throws std::invalid_argument for a bad block.
+  void set_param_quantization(AllGatherQuantization mode, int block);
+  AllGatherQuantization param_quantization() const { return quantization_; }
+  QuantizationStats& quantization_stats() { return quantization_stats_; }
+  const QuantizationStats& quantization_stats() const { return quantization_stats_; }
+  int quantization_block() const { return quantization_block_; }
   // Which pass spans are labeled with (the runtime flips it when backward starts and ends).
   void set_backward_pass(bool on) { backward_pass_ = on; }
   bool backward_pass() const { return backward_pass_; }
@@ -99,8 +112,11 @@ class CommContext {
   CommBytes bytes_;
   std::vector<std::string> unit_names_;
   bool backward_pass_ = false;
+  AllGatherQuantization quantization_ = AllGatherQuantization::NONE;
+  int quantization_block_ = 256;
+  QuantizationStats quantization_stats_;
   static constexpr uint64_t kHashSeed = 1469598103934665603ULL;
-  std::array<uint64_t, 3> sequence_hash_{kHashSeed, kHashSeed, kHashSeed};  // by Over
+  std::array<uint64_t, 4> sequence_hash_{kHashSeed, kHashSeed, kHashSeed, kHashSeed};  // by Over
 };
 
 }  // namespace fsdp

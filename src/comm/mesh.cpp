@@ -282,6 +282,22 @@ const ShardGroups& MeshState::groups_for(int shard_size, c10::DeviceType device)
   return groups.emplace(key, std::move(g)).first->second;
 }
 
+const GroupPtr& MeshState::consecutive_group(int size, c10::DeviceType device) {
+  const auto key = std::make_pair(size, static_cast<int>(device));
+  auto it = secondary_groups.find(key);
+  if (it != secondary_groups.end()) return it->second;
+  TORCH_INTERNAL_ASSERT(size >= 1 && env.world_size % size == 0, "fsdp: unvalidated group size ", size);
+  const std::string tag = std::string(device == c10::DeviceType::CUDA ? "nccl/" : "") + "hpz" + std::to_string(size) +
+                          "/" + std::to_string(env.rank / size);
+  return secondary_groups.emplace(key, make_group(tag, env.rank % size, size, device)).first->second;
+}
+
+std::shared_ptr<RingReduceScatter> MeshState::ring_for(const GroupPtr& group) {
+  auto& ring = rings[group.get()];
+  if (!ring) ring = std::make_shared<RingReduceScatter>(group);
+  return ring;
+}
+
 void MeshState::check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe) {
   if (env.world_size == 1) return;
   const std::string key = "fsdp/check/" + std::to_string(checks++) + "/";

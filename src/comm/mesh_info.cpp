@@ -40,6 +40,25 @@ bool reshards_after_forward(ShardingStrategy strategy) {
   return strategy == ShardingStrategy::FULL_SHARD || strategy == ShardingStrategy::HYBRID_SHARD;
 }
 
+int secondary_shard_size(const Options& options, int F, int local_world_size) {
+  const int N = options.reshard_after_forward_to == Options::kRanksPerNode ? local_world_size
+                                                                            : options.reshard_after_forward_to;
+  if (options.reshard_after_forward_to == 0) return 0;
+  if (!reshards_after_forward(options.strategy)) {
+    throw std::invalid_argument("fsdp: reshard_after_forward_to=" + std::to_string(N) + " with " +
+                                to_string(options.strategy) + ", which keeps parameters gathered after forward: "
+                                "use full_shard or hybrid_shard, or drop reshard_after_forward_to");
+  }
+  if (N < 1 || N >= F || F % N != 0) {
+    throw std::invalid_argument("fsdp: reshard_after_forward_to=" + std::to_string(N) +
+                                " must divide the sharding factor F=" + std::to_string(F) +
+                                " and be smaller (typically the ranks per host, so that backward's all-gather stays "
+                                "inside a host; a hybrid strategy sharding within a host gathers inside it already); "
+                                "0 turns it off");
+  }
+  return N;
+}
+
 MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType device) {
   MeshInfo info;
   info.rank = mesh.rank();
@@ -51,6 +70,16 @@ MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType devi
   info.shard_group = groups.shard;
   info.replicate_group = groups.replicate;
   info.world_group = mesh.world();
+  auto& state = detail::MeshState::of(mesh);
+  if (info.shard_size > 1 && options.gloo_reduce_scatter == GlooReduceScatter::RING &&
+      RingReduceScatter::supports(info.shard_group)) {
+    info.shard_ring = state.ring_for(info.shard_group);
+  }
+  info.secondary_size = secondary_shard_size(options, info.shard_size, mesh.env().local_world_size);
+  if (info.secondary_size > 0) {
+    info.secondary_rank = info.shard_rank % info.secondary_size;
+    info.secondary_group = state.consecutive_group(info.secondary_size, device);
+  }
   return info;
 }
 

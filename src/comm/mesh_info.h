@@ -6,7 +6,10 @@
 
 #include <c10/core/DeviceType.h>
 
+#include <memory>
+
 #include "comm/collectives.h"
+#include "comm/ring_reduce_scatter.h"
 #include "fsdp/mesh.h"
 #include "fsdp/options.h"
 
@@ -21,6 +24,13 @@ struct MeshInfo {
   GroupPtr shard_group;      // F ranks: all-gather and reduce-scatter
   GroupPtr replicate_group;  // W / F ranks: all-reduce of gradient shards
   GroupPtr world_group;      // all W ranks, CPU tensors: cross-rank checks
+  // The shard group's ring reduce-scatter (Gloo with GlooReduceScatter::RING; null otherwise).
+  std::shared_ptr<RingReduceScatter> shard_ring;
+  // hpZ (Options::reshard_after_forward_to): N consecutive ranks, a subgroup of the shard group,
+  // over which backward gathers a unit from the secondary shards forward left; 0 when off.
+  int secondary_size = 0;
+  int secondary_rank = 0;    // this rank's place in it: which 1/N of a unit it keeps
+  GroupPtr secondary_group;
 };
 
 // F for `options` on W ranks with `local_world_size` ranks per node: W for FULL_SHARD and
@@ -30,6 +40,11 @@ int sharding_factor(const Options& options, int world_size, int local_world_size
 
 // FULL_SHARD and HYBRID_SHARD free parameters after forward; the ZeRO-2 strategies keep them.
 bool reshards_after_forward(ShardingStrategy strategy);
+
+// The hpZ group size `options` ask for with F-way sharding and `local_world_size` ranks per node:
+// 0 (off) or N, 1 <= N < F, N | F. Throws std::invalid_argument naming what is wrong and what
+// would work.
+int secondary_shard_size(const Options& options, int F, int local_world_size);
 
 // Builds (collectively) the groups for the options' F on `mesh`, for tensors of `device`.
 MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType device);

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/collectives.h"
+#include "comm/ring_reduce_scatter.h"
 #include "fsdp/mesh.h"
 #include "comm/network_interface.h"
 
@@ -38,6 +39,8 @@ struct MeshState {
   GlooInterface gloo_interface;  // chosen once, when the mesh is made
   bool simulated = false;        // Mesh::simulated: every group is a SimulatedBackend
   std::map<std::pair<int, int>, ShardGroups> groups;  // (F, device type) -> groups
+  std::map<std::pair<int, int>, GroupPtr> secondary_groups;  // (N, device type) -> hpZ group
+  std::map<const c10d::Backend*, std::shared_ptr<RingReduceScatter>> rings;  // one per Gloo group
   int checks = 0;
 
   static MeshState& of(Mesh& mesh) { return *mesh.state_; }
@@ -47,6 +50,10 @@ struct MeshState {
   // of `device`: Gloo for CPU, NCCL for CUDA (one GPU per rank, LOCAL_RANK's). Built on first use,
   // collectively: every rank must ask for the same F values in the same order.
   const ShardGroups& groups_for(int shard_size, c10::DeviceType device);
+  // The group of `size` consecutive ranks this rank is in (hpZ), built on first use, collectively.
+  const GroupPtr& consecutive_group(int size, c10::DeviceType device);
+  // The ring reduce-scatter of a Gloo group (ring_reduce_scatter.h), one per group.
+  std::shared_ptr<RingReduceScatter> ring_for(const GroupPtr& group);
 
   // A clear error on every rank unless all ranks pass the same `fingerprint`. `what` names the
   // thing being compared and `describe` is this rank's readable version of it, used to point at

@@ -6,6 +6,7 @@
 
 #include "init/deferred_init_internal.h"
 #include "memory/device.h"
+#include "comm/quantized_all_gather.h"
 
 namespace fsdp {
 namespace {
@@ -139,10 +140,24 @@ WorkPtr FlatParamHandle::begin_unshard() {
     state_ = HandleState::UNSHARDED;
     return nullptr;
   }
-  gather_ = comm_.issue(CommKind::ALL_GATHER, Over::SHARD_GROUP, index_, "parameters", [&] {
+  // Backward after an hpZ forward gathers the secondary shards within their group; every other
+  // gather reads the shards, quantized when asked (floating-point units only).
+  const bool from_secondary = secondary_.defined();
+  const bool quantized = !from_secondary && comm_.param_quantization() != AllGatherQuantization::NONE &&
+                         at::isFloatingType(dtypes_.compute);
+  const Over over = from_secondary ? Over::SECONDARY : Over::SHARD_GROUP;
+  gather_ = comm_.issue(CommKind::ALL_GATHER, over, index_, "parameters", [&] {
     // On the all-gather stream (CUDA): the block is reused in that stream's order. Mixed
     // precision casts once per unit, here, so the all-gather moves param_dtype bytes.
     resize_unsharded(true);
+    if (from_secondary) return Buffers{full_, secondary_};
+    if (quantized) {
+      const auto record = quantized_record(layout_.shard_numel(), comm_.quantization_block());
+      record_ = quantize_shard(shard_, comm_.param_quantization(), record);
+      measure_quantization(shard_, record_, comm_.param_quantization(), record, comm_.quantization_stats());
+      records_ = at::empty({comm_.mesh().shard_size * record.bytes()}, record_.options());
+      return Buffers{records_, record_};
+    }
     shard_cast_ = dtypes_.casts() ? shard_.to(dtypes_.compute) : shard_;
     return Buffers{full_, shard_cast_};
   });
@@ -154,13 +169,31 @@ int64_t FlatParamHandle::finish_unshard() {
   if (state_ != HandleState::GATHERING) return 0;
   const int64_t blocked = comm_.wait(gather_);
   shard_cast_ = at::Tensor();
+  if (records_.defined()) {
+    at::NoGradGuard no_grad;
+    dequantize_records(full_, records_, comm_.param_quantization(),
+                       quantized_record(layout_.shard_numel(), comm_.quantization_block()));
+    // Read here on the compute stream, allocated on the all-gather's: the next all-gather that
+    // gets the block waits for the compute stream first (comm_streams.h), dequantization included.
+    record_ = records_ = at::Tensor();
+  }
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
   state_ = HandleState::UNSHARDED;
   return blocked;
 }
 
-void FlatParamHandle::reshard() {
+void FlatParamHandle::reshard(bool keep_secondary) {
   if (state_ == HandleState::GATHERING) finish_unshard();
+  const int N = comm_.mesh().secondary_size;
+  if (!keep_secondary || N == 0) {
+    secondary_ = at::Tensor();
+  } else if (state_ == HandleState::UNSHARDED && separate_buffer_) {
+    // This rank's 1/N of the unit as forward computed with it: the secondary group's ranks hold
+    // the N parts in group order, which is what backward's all-gather over them reassembles.
+    at::NoGradGuard no_grad;
+    const int64_t part = layout_.padded_numel() / N;
+    secondary_ = full_.narrow(0, comm_.mesh().secondary_rank * part, part).clone();
+  }
   if (state_ == HandleState::SHARDED) return;
   if (separate_buffer_) {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
@@ -201,7 +234,7 @@ void FlatParamHandle::end_summon(bool writeback) {
 void FlatParamHandle::poison() {
   if (state_ == HandleState::UNSHARDED) return;
   gather_ = InFlight{};  // failed or abandoned: the backend writes into the buffer no more
-  shard_cast_ = at::Tensor();
+  shard_cast_ = record_ = records_ = secondary_ = at::Tensor();
   if (separate_buffer_) {
     at::NoGradGuard no_grad;
     resize_unsharded(true);
@@ -216,7 +249,8 @@ int64_t FlatParamHandle::sharded_param_bytes() const {
 }
 
 int64_t FlatParamHandle::unsharded_bytes() const {
-  return separate_buffer_ ? static_cast<int64_t>(full_.storage().nbytes()) : 0;
+  const int64_t secondary = secondary_.defined() ? secondary_.numel() * static_cast<int64_t>(secondary_.element_size()) : 0;
+  return (separate_buffer_ ? static_cast<int64_t>(full_.storage().nbytes()) : 0) + secondary;
 }
 
 }  // namespace fsdp

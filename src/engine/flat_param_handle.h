@@ -16,6 +16,15 @@
 //   SHARDED ──begin_unshard──▶ GATHERING ──finish_unshard──▶ UNSHARDED ──reshard──▶ SHARDED
 //   (reshard from GATHERING waits for the all-gather first: its buffer cannot be freed under it)
 //
+// Two ways of gathering move fewer bytes (issue 26), both invisible to the states above:
+//   quantized   (CommContext::param_quantization) the all-gather moves each rank's shard quantized
+//               (quantized_all_gather.h) and finish_unshard dequantizes into the unsharded buffer
+//   secondary   (hpZ, MeshInfo::secondary_size N) reshard(keep_secondary) after forward keeps 1/N
+//               of the gathered unit, in the compute dtype, and the next begin_unshard (backward's)
+//               gathers from those over the N-rank group instead of from the shards over F;
+//               any other reshard (after backward, at the end of an iteration) lets it go. Backward
+//               therefore computes with exactly the values forward did, quantized or not.
+//
 // Why storage is resized in place rather than reallocated: autograd saves views of parameters
 // for backward; those views share the buffer's StorageImpl, so regrowing that same storage makes
 // them valid again without re-running forward.
@@ -72,8 +81,11 @@ class FlatParamHandle {
   // GATHERING -> UNSHARDED: wait for the all-gather where its result is consumed and point the
   // parameters at the unsharded buffer. Returns the nanoseconds the calling thread was blocked.
   int64_t finish_unshard();
-  // -> SHARDED: point parameters back at the shard and free the buffer.
-  void reshard();
+  // -> SHARDED: point parameters back at the shard and free the buffer. `keep_secondary` (after
+  // forward, with hpZ): keep this rank's 1/N of the gathered unit for backward's gather; otherwise
+  // a secondary shard kept earlier goes too.
+  void reshard(bool keep_secondary = false);
+  bool has_secondary() const { return secondary_.defined(); }
   // summon_full_params: the whole parameters in the master dtype, in a buffer of their own (not
   // the compute one: values must round-trip exactly). `keep` false: gather, then let go at once
   // (the ranks other than 0 under rank0_only). end_summon copies this rank's part back into the
@@ -97,7 +109,7 @@ class FlatParamHandle {
   void poison();
 
   int64_t sharded_param_bytes() const;
-  int64_t unsharded_bytes() const;  // unsharded parameter buffer allocated now
+  int64_t unsharded_bytes() const;  // unsharded parameter buffer allocated now, with the hpZ secondary shard
 
  private:
   void resize_unsharded(bool allocate);
@@ -118,6 +130,9 @@ class FlatParamHandle {
   bool gathered_guarded_ = false;
   std::vector<ShardSlice> slices_;        // this rank's slice of each parameter
   InFlight gather_;                       // the all-gather in flight while GATHERING
+  at::Tensor record_;                     // quantized: this rank's record, read by the all-gather
+  at::Tensor records_;                    // quantized: every rank's records, written by it
+  at::Tensor secondary_;                  // hpZ: [padded_numel / N] of full_, kept from forward for backward
   at::Tensor summoned_;                   // [padded_numel] master dtype, inside summon_full_params
 };
 

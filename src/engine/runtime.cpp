@@ -121,17 +121,26 @@ void Runtime::use(size_t u) {
   limiter_.consumed(u);
 }
 
-void Runtime::reshard(size_t u) {
+void Runtime::reshard(size_t u, bool after_forward) {
   FlatParamHandle& handle = units_[u]->handle();
   if (pinned(u)) return;  // an unshard() scope holds it gathered
-  if (write_snapshots_[u].defined()) merge_forward_writes(u);  // before its gathered copy goes
-  if (handle.state() == HandleState::SHARDED) return;
+  // A forward that wrote into the gathered copy (merged into the shards here) leaves no secondary
+  // shard: this rank's copy is not the merged one; backward gathers the merged shards instead.
+  const bool wrote = write_snapshots_[u].defined();
+  if (wrote) merge_forward_writes(u);  // before its gathered copy goes
+  if (handle.state() == HandleState::SHARDED) {
+    if (handle.has_secondary() && !after_forward) {  // backward is past it, or will not come
+      handle.reshard();
+      note_memory();
+    }
+    return;
+  }
   touch::Suppress own_work;
   if (handle.state() == HandleState::GATHERING) {
     // A prefetch nobody used: its buffer can only be freed once the collective is done with it.
     overlap_.exposed_all_gather_ns += handle.finish_unshard();
   }
-  handle.reshard();
+  handle.reshard(after_forward && backward_pending_ && !wrote);
   if (comm_.mesh().shard_size > 1) limiter_.freed(u, comm_.streams().record_current());
   note_memory();
 }
@@ -195,7 +204,7 @@ void Runtime::end_forward(bool ok) {
   merge_pending_writes();
   for (size_t u = 0; u < units_.size(); ++u) {
     // Also frees forward prefetches that were not used (the guess from the last iteration was off).
-    if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard(u);
+    if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard(u, /*after_forward=*/ok);
   }
   // Units left gathered for backward: whatever touches them before it must ask first.
   {
@@ -260,7 +269,7 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
         if (current_unit_ && *current_unit_ != u && !units_[*current_unit_]->contains(*units_[u]) &&
             units_[*current_unit_]->state() == Unit::State::FORWARD) {
           forward_ends(*current_unit_);
-          if (reshard_after_forward_) reshard(*current_unit_);
+          if (reshard_after_forward_) reshard(*current_unit_, /*after_forward=*/true);
         }
         if (current_unit_ != u && units_[u]->state() != Unit::State::FORWARD) forward_begins(u);
         current_unit_ = u;

@@ -143,7 +143,9 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void gather(size_t unit);
   // Make unit's parameters usable now: gather if needed and wait.
   void use(size_t unit);
-  void reshard(size_t unit);
+  // Frees a unit's gathered parameters. `after_forward`: its forward is over and backward will
+  // want it again: with hpZ it keeps a secondary shard for that (flat_param_handle.h).
+  void reshard(size_t unit, bool after_forward = false);
   bool pinned(size_t unit) const { return !pins_.empty() && pins_[unit] > 0; }
   void forward_begins(size_t unit);
   void forward_ends(size_t unit);

@@ -7,6 +7,7 @@
 #include "engine/flat_param.h"
 #include "engine/gradient_reduction.h"
 #include "comm/mesh_info.h"
+#include "comm/quantized_all_gather.h"
 #include "precision/precision.h"
 #include "engine/unit_decomposition.h"
 
@@ -27,6 +28,10 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     plan.ignored_state += bytes + (p.requires_grad() ? bytes + 2 * p.numel() * 4 : 0);
   }
   std::vector<int64_t> nonroot_bytes;
+  // What a gather in flight holds besides the unit's buffer: Gloo's staging copy of its output, or
+  // with quantization the records (and their staging copy) instead, per non-root unit.
+  std::vector<int64_t> nonroot_staging;
+  const int N = secondary_shard_size(options, F, local_world_size);  // hpZ: 0 when off
   int64_t root_bytes = 0, all_unsharded = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0, root_compute_bytes = 0;
   int64_t largest_shard_reduce_bytes = 0;
   // Where the shards will live decides the backend, and with it what a reduce-scatter holds.
@@ -67,6 +72,14 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
       root_compute_bytes = layout.numel() * static_cast<int64_t>(c10::elementSize(compute));
     } else {
       nonroot_bytes.push_back(gathered);
+      int64_t staging = gathered;
+      // (With hpZ backward gathers the secondary shards, unquantized.)
+      if (options.quantize_all_gather != AllGatherQuantization::NONE && N == 0 && F > 1 && at::isFloatingType(compute)) {
+        staging = 2 * F * quantized_record(layout.shard_numel(), options.quantization_block).bytes();
+      }
+      nonroot_staging.push_back(staging);
+      // hpZ: 1/N of the unit, in the compute dtype, from its forward until its backward gathers it.
+      if (N > 0) plan.secondary_shards += layout.padded_numel() / N * static_cast<int64_t>(c10::elementSize(compute));
     }
     largest_compute_bytes = std::max(largest_compute_bytes, layout.padded_numel() * static_cast<int64_t>(c10::elementSize(compute)));
     largest_reduce_bytes = std::max(largest_reduce_bytes, layout.padded_numel() * static_cast<int64_t>(c10::elementSize(reduce)));
@@ -74,6 +87,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   }
   if (reshards_after_forward(options.strategy)) {
     std::sort(nonroot_bytes.rbegin(), nonroot_bytes.rend());
+    std::sort(nonroot_staging.rbegin(), nonroot_staging.rend());
     const size_t held = 1 + (options.backward_prefetch == BackwardPrefetch::NONE ? 0 : static_cast<size_t>(options.prefetch_count)) +
                         (options.forward_prefetch ? static_cast<size_t>(options.prefetch_count) : 0);
     plan.peak_unsharded_params = root_bytes;
@@ -83,8 +97,11 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     for (size_t i = 0; i < std::min(prefetched, nonroot_bytes.size()); ++i) plan.head_unsharded_params += nonroot_bytes[i];
     if (device == c10::kCPU && options.backward_prefetch != BackwardPrefetch::NONE) {
       const size_t ahead = static_cast<size_t>(options.prefetch_count);
-      for (size_t i = 0; i < std::min(ahead, nonroot_bytes.size()); ++i) plan.gather_staging += nonroot_bytes[i];
+      for (size_t i = 0; i < std::min(ahead, nonroot_staging.size()); ++i) plan.gather_staging += nonroot_staging[i];
     }
+    // Every unit's secondary shard is held when backward starts (an upper bound as it proceeds).
+    plan.peak_unsharded_params += plan.secondary_shards;
+    plan.head_unsharded_params += plan.secondary_shards;
   } else {
     plan.peak_unsharded_params = plan.head_unsharded_params = all_unsharded;
   }
@@ -164,6 +181,9 @@ std::string format_plans(const std::vector<MemoryPlan>& plans) {
     row("ignored parameters (the caller's: values, gradients, Adam state)", &MemoryPlan::ignored_state);
   }
   row("peak gathered parameters", &MemoryPlan::peak_unsharded_params);
+  if (std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.secondary_shards > 0; })) {
+    row("  of which hpZ secondary shards (forward to backward)", &MemoryPlan::secondary_shards);
+  }
   if (std::any_of(plans.begin(), plans.end(), [](const MemoryPlan& p) { return p.gather_staging > 0; })) {
     row("all-gather staging copies in flight (Gloo)", &MemoryPlan::gather_staging);
   }

@@ -51,6 +51,30 @@ std::string to_string(UnitDetection mode) {
   return mode == UnitDetection::DISPATCH_KEY ? "dispatch_key" : "record_function";
 }
 
+GlooReduceScatter parse_gloo_reduce_scatter(const std::string& name) {
+  if (name == "ring") return GlooReduceScatter::RING;
+  if (name == "all_reduce") return GlooReduceScatter::ALL_REDUCE;
+  throw std::invalid_argument("unknown Gloo reduce-scatter '" + name + "'; use ring or all_reduce");
+}
+
+std::string to_string(GlooReduceScatter mode) { return mode == GlooReduceScatter::RING ? "ring" : "all_reduce"; }
+
+AllGatherQuantization parse_all_gather_quantization(const std::string& name) {
+  if (name == "none") return AllGatherQuantization::NONE;
+  if (name == "int8") return AllGatherQuantization::INT8;
+  if (name == "fp8" || name == "fp8_e4m3") return AllGatherQuantization::FP8_E4M3;
+  throw std::invalid_argument("unknown all-gather quantization '" + name + "'; use none, int8 or fp8");
+}
+
+std::string to_string(AllGatherQuantization mode) {
+  switch (mode) {
+    case AllGatherQuantization::NONE: return "none";
+    case AllGatherQuantization::INT8: return "int8";
+    case AllGatherQuantization::FP8_E4M3: return "fp8";
+  }
+  return "?";
+}
+
 c10::ScalarType parse_dtype(const std::string& name) {
   if (name == "fp32" || name == "float32") return c10::kFloat;
   if (name == "bf16" || name == "bfloat16") return c10::kBFloat16;

@@ -50,6 +50,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
     materialize_ignored();
   }
   comm_ = std::make_unique<CommContext>(device_, make_mesh_info(*mesh_, options_, device_.type()));
+  comm_->set_param_quantization(options_.quantize_all_gather, options_.quantization_block);
   if (options_.sync_module_states) broadcast_module_states();
   if (const auto& mp = options_.mixed_precision) {
     // Buffers are not sharded: cast them once, here, instead of at every forward.
@@ -129,6 +130,7 @@ Metrics ShardedRoot::metrics() const {
   Metrics m;
   m.step = step_;
   m.comm = comm_->bytes();
+  m.quantization = comm_->quantization_stats();
   m.memory = runtime_->memory();
   m.overlap = runtime_->overlap();
   m.detection = runtime_->detection();
@@ -141,6 +143,7 @@ Metrics ShardedRoot::metrics() const {
 
 void ShardedRoot::reset_step() {
   comm_->bytes() = CommBytes{};
+  comm_->quantization_stats() = QuantizationStats{};
   runtime_->reset_step();
   comm_->timeline().clear();
   reset_device_peaks(device_);

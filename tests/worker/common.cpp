@@ -41,6 +41,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--mismatch-what") a.mismatch_what = v;
     else if (k == "--case") a.hole = v;
     else if (k == "--path") a.path = v;
+    else if (k == "--quantize") a.quantize = v;
+    else if (k == "--quantize-block") a.quantize_block = std::stoi(v);
+    else if (k == "--hpz") a.hpz = std::stoi(v);
+    else if (k == "--gloo-reduce-scatter") a.gloo_reduce_scatter = v;
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;
@@ -55,6 +59,10 @@ fsdp::Options options_from(const Args& a) {
   o.forward_prefetch = a.forward_prefetch != 0;
   o.prefetch_count = a.prefetch_count;
   o.limit_all_gathers = a.limit_all_gathers;
+  o.quantize_all_gather = fsdp::parse_all_gather_quantization(a.quantize);
+  o.quantization_block = a.quantize_block;
+  o.reshard_after_forward_to = a.hpz;
+  o.gloo_reduce_scatter = fsdp::parse_gloo_reduce_scatter(a.gloo_reduce_scatter);
   return o;
 }
 
