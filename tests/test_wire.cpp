@@ -69,7 +69,8 @@ TEST(Wire, HpzThatCannotWorkIsRefusedByName) {
   EXPECT_NE(zero2.output.find("keeps parameters gathered after forward"), std::string::npos) << zero2.output;
 }
 
-// The quantizer on its own: every element within its bound, zero blocks exact, deterministic.
+// The quantizer on its own: blocks inside parameters, every element within its bound, zero blocks
+// exact, deterministic.
 TEST(Wire, QuantizerStaysWithinItsBound) {
   for (const std::string q : {"int8", "fp8"}) {
     const auto ranks = fsdp_test::expect_ranks("wire", 1, "--variants quantize --quantize " + q);
@@ -80,11 +81,14 @@ TEST(Wire, QuantizerStaysWithinItsBound) {
     EXPECT_GT(r["worst_error_over_bound"].get<double>(), 0.05) << q << ": a bound never approached is no check: " << r.dump();
     EXPECT_TRUE(r["zero_blocks_exact"].get<bool>()) << r.dump();
     EXPECT_TRUE(r["deterministic"].get<bool>()) << r.dump();
+    EXPECT_TRUE(r["blocks_inside_runs"].get<bool>()) << r.dump();
   }
 }
 
 // What the units compute with under an int8 (fp8) all-gather, against the master weights: within
-// max|w| / 254 (/ 16) of every parameter, nonzero, and equal to what fsdp reports in its metrics.
+// max|w| / 254 (/ 16) of each parameter's own largest value (blocks never mix parameters: a
+// LayerNorm's ones do not swamp the biases beside them), nonzero, and equal to what fsdp reports
+// in its metrics.
 TEST(Wire, QuantizedAllGatherComputesWithinTheBoundAndSaysHowFar) {
   for (const std::string q : {"int8", "fp8"}) {
     for (int world : {2, 4}) {

@@ -32,7 +32,7 @@ CommContext::CommContext(c10::Device device, MeshInfo mesh)
 }
 
 void CommContext::set_param_quantization(AllGatherQuantization mode, int block) {
-  quantized_record(0, block);  // validates the block
+  quantization_blocks({}, 0, block);  // validates the block
   quantization_ = mode;
   quantization_block_ = block;
 }

@@ -14,65 +14,85 @@ double code_max(AllGatherQuantization mode) { return mode == AllGatherQuantizati
 at::ScalarType code_dtype(AllGatherQuantization mode) {
   return mode == AllGatherQuantization::INT8 ? at::kChar : at::kFloat8_e4m3fn;
 }
+
+// Which block each element of a shard is in: [numel] int64.
+at::Tensor block_of_each(const BlockStarts& blocks, int64_t numel) {
+  std::vector<int64_t> lengths(blocks.size());
+  for (size_t b = 0; b < blocks.size(); ++b) lengths[b] = (b + 1 < blocks.size() ? blocks[b + 1] : numel) - blocks[b];
+  return at::repeat_interleave(at::arange(static_cast<int64_t>(blocks.size()), at::kLong),
+                               at::tensor(lengths, at::kLong));
+}
+
+// One record -> [numel] fp32.
+at::Tensor dequantize_one(const at::Tensor& rec, AllGatherQuantization mode, const QuantizedRecord& record,
+                          const BlockStarts& blocks) {
+  const int64_t n_blocks = static_cast<int64_t>(blocks.size());
+  const at::Tensor scale = rec.narrow(0, 0, 4 * n_blocks).view(at::kFloat);
+  const at::Tensor codes = rec.narrow(0, 4 * record.max_blocks, record.numel).view(code_dtype(mode)).to(at::kFloat);
+  return codes.mul_(scale.index_select(0, block_of_each(blocks, record.numel).to(rec.device())));
+}
 }  // namespace
 
-QuantizedRecord quantized_record(int64_t numel, int block) {
+BlockStarts quantization_blocks(const std::vector<int64_t>& run_starts, int64_t numel, int block) {
   if (block < 1) {
     throw std::invalid_argument("fsdp: quantization_block=" + std::to_string(block) +
                                 " must be at least 1 (elements per scale; 256 is the default)");
   }
-  QuantizedRecord r;
-  r.numel = numel;
-  r.block = block;
-  return r;
+  std::vector<int64_t> runs(run_starts.begin(), run_starts.end());
+  runs.push_back(0);
+  std::sort(runs.begin(), runs.end());
+  runs.erase(std::unique(runs.begin(), runs.end()), runs.end());
+  BlockStarts out;
+  for (size_t i = 0; i < runs.size() && runs[i] < numel; ++i) {
+    const int64_t end = i + 1 < runs.size() ? std::min(runs[i + 1], numel) : numel;
+    for (int64_t b = runs[i]; b < end; b += block) out.push_back(b);
+  }
+  return out;
 }
 
-at::Tensor quantize_shard(const at::Tensor& shard, AllGatherQuantization mode, const QuantizedRecord& record) {
-  TORCH_INTERNAL_ASSERT(mode != AllGatherQuantization::NONE && shard.numel() == record.numel);
+at::Tensor quantize_shard(const at::Tensor& shard, AllGatherQuantization mode, const QuantizedRecord& record,
+                          const BlockStarts& blocks) {
+  TORCH_INTERNAL_ASSERT(mode != AllGatherQuantization::NONE && shard.numel() == record.numel &&
+                        static_cast<int64_t>(blocks.size()) <= record.max_blocks);
   at::NoGradGuard no_grad;
-  const int64_t blocks = record.blocks(), padded = blocks * record.block;
   at::Tensor packed = at::zeros({record.bytes()}, shard.options().dtype(at::kByte));
   if (record.numel == 0) return packed;
-  // Blocks of fp32 (the last one padded with zeros, which change neither its max nor its codes).
-  at::Tensor x = at::zeros({padded}, shard.options().dtype(at::kFloat));
-  x.narrow(0, 0, record.numel).copy_(shard.reshape(-1));
-  x = x.view({blocks, record.block});
-  const at::Tensor scale = x.abs().amax(1, /*keepdim=*/true).div_(code_max(mode));
+  const int64_t n_blocks = static_cast<int64_t>(blocks.size());
+  const at::Tensor x = shard.reshape(-1).to(at::kFloat);
+  const at::Tensor which = block_of_each(blocks, record.numel).to(x.device());
+  const at::Tensor scale = at::zeros({n_blocks}, x.options())
+                               .scatter_reduce_(0, which, x.abs(), "amax", /*include_self=*/true)
+                               .div_(code_max(mode));
   // 1/scale where the block is not all zeros; zeros quantize to code 0 either way.
   const at::Tensor inverse = at::where(scale > 0, scale.reciprocal(), at::zeros_like(scale));
-  at::Tensor scaled = x.mul(inverse);
-  at::Tensor codes = mode == AllGatherQuantization::INT8 ? scaled.round_().clamp_(-127, 127).to(at::kChar)
-                                                         : scaled.clamp_(-448, 448).to(at::kFloat8_e4m3fn);
-  packed.narrow(0, 0, 4 * blocks).view(at::kFloat).copy_(scale.reshape(-1));
-  packed.narrow(0, 4 * blocks, record.numel).view(code_dtype(mode)).copy_(codes.reshape(-1).narrow(0, 0, record.numel));
+  at::Tensor scaled = x.mul(inverse.index_select(0, which));
+  const at::Tensor codes = mode == AllGatherQuantization::INT8 ? scaled.round_().clamp_(-127, 127).to(at::kChar)
+                                                               : scaled.clamp_(-448, 448).to(at::kFloat8_e4m3fn);
+  packed.narrow(0, 0, 4 * n_blocks).view(at::kFloat).copy_(scale);
+  packed.narrow(0, 4 * record.max_blocks, record.numel).view(code_dtype(mode)).copy_(codes);
   return packed;
 }
 
 void dequantize_records(at::Tensor out, const at::Tensor& gathered, AllGatherQuantization mode,
-                        const QuantizedRecord& record) {
+                        const QuantizedRecord& record, const std::vector<BlockStarts>& blocks) {
   at::NoGradGuard no_grad;
-  const int64_t bytes = record.bytes(), blocks = record.blocks(), padded = blocks * record.block;
-  const int64_t G = gathered.numel() / bytes;
+  const int64_t bytes = record.bytes();
+  const int64_t G = static_cast<int64_t>(blocks.size());
   TORCH_INTERNAL_ASSERT(gathered.numel() == G * bytes && out.numel() == G * record.numel);
   if (record.numel == 0) return;
-  at::Tensor values = at::zeros({padded}, out.options().dtype(at::kFloat));
   for (int64_t g = 0; g < G; ++g) {
-    const at::Tensor rec = gathered.narrow(0, g * bytes, bytes);
-    const at::Tensor scale = rec.narrow(0, 0, 4 * blocks).view(at::kFloat).view({blocks, 1});
-    values.narrow(0, 0, record.numel).copy_(rec.narrow(0, 4 * blocks, record.numel).view(code_dtype(mode)));
-    at::Tensor v = values.view({blocks, record.block}).mul(scale);
-    out.narrow(0, g * record.numel, record.numel).copy_(v.view({-1}).narrow(0, 0, record.numel));
+    out.narrow(0, g * record.numel, record.numel)
+        .copy_(dequantize_one(gathered.narrow(0, g * bytes, bytes), mode, record, blocks[static_cast<size_t>(g)]));
   }
 }
 
 void measure_quantization(const at::Tensor& shard, const at::Tensor& record, AllGatherQuantization mode,
-                          const QuantizedRecord& layout, QuantizationStats& stats) {
+                          const QuantizedRecord& layout, const BlockStarts& blocks, QuantizationStats& stats) {
   at::NoGradGuard no_grad;
   stats.quantized_gathers += 1;
   if (layout.numel == 0) return;
-  at::Tensor back = at::empty({layout.numel}, shard.options().dtype(at::kFloat));
-  dequantize_records(back, record, mode, layout);
   const at::Tensor master = shard.reshape(-1).to(at::kFloat);
+  const at::Tensor back = dequantize_one(record, mode, layout, blocks);
   stats.max_abs_error = std::max(stats.max_abs_error, back.sub_(master).abs_().max().item<double>());
   stats.max_abs_weight = std::max(stats.max_abs_weight, master.abs().max().item<double>());
 }

@@ -1,12 +1,12 @@
 #include "engine/flat_param_handle.h"
 
+#include <algorithm>
 #include <limits>
 
 #include <c10/core/GradMode.h>
 
 #include "init/deferred_init_internal.h"
 #include "memory/device.h"
-#include "comm/quantized_all_gather.h"
 
 namespace fsdp {
 namespace {
@@ -28,6 +28,25 @@ const std::vector<at::Tensor>& checked(const std::vector<at::Tensor>& params, co
   return params;
 }
 }  // namespace
+
+QuantizedRecord quantization_layout(const FlatParamLayout& layout, int block, std::vector<BlockStarts>* blocks) {
+  QuantizedRecord record;
+  record.numel = layout.shard_numel();
+  for (int64_t r = 0; r < layout.padded_numel() / std::max<int64_t>(layout.shard_numel(), 1); ++r) {
+    std::vector<int64_t> runs;
+    int64_t end = 0;
+    for (const auto& s : layout.slices(r)) {
+      if (s.length == 0) continue;
+      runs.push_back(s.shard_offset);
+      end = std::max(end, s.shard_offset + s.length);
+    }
+    runs.push_back(end);  // the padding, if the shard has any
+    BlockStarts b = quantization_blocks(runs, layout.shard_numel(), block);
+    record.max_blocks = std::max(record.max_blocks, static_cast<int64_t>(b.size()));
+    if (blocks) blocks->push_back(std::move(b));
+  }
+  return record;
+}
 
 FlatParamHandle::FlatParamHandle(int index, std::vector<std::string> fqns, std::vector<at::Tensor> params,
                                  CommContext& comm, const std::optional<MixedPrecision>& mixed_precision,
@@ -152,10 +171,11 @@ WorkPtr FlatParamHandle::begin_unshard() {
     resize_unsharded(true);
     if (from_secondary) return Buffers{full_, secondary_};
     if (quantized) {
-      const auto record = quantized_record(layout_.shard_numel(), comm_.quantization_block());
-      record_ = quantize_shard(shard_, comm_.param_quantization(), record);
-      measure_quantization(shard_, record_, comm_.param_quantization(), record, comm_.quantization_stats());
-      records_ = at::empty({comm_.mesh().shard_size * record.bytes()}, record_.options());
+      if (quant_blocks_.empty()) quant_record_ = quantization_layout(layout_, comm_.quantization_block(), &quant_blocks_);
+      const BlockStarts& mine = quant_blocks_[static_cast<size_t>(comm_.mesh().shard_rank)];
+      record_ = quantize_shard(shard_, comm_.param_quantization(), quant_record_, mine);
+      measure_quantization(shard_, record_, comm_.param_quantization(), quant_record_, mine, comm_.quantization_stats());
+      records_ = at::empty({comm_.mesh().shard_size * quant_record_.bytes()}, record_.options());
       return Buffers{records_, record_};
     }
     shard_cast_ = dtypes_.casts() ? shard_.to(dtypes_.compute) : shard_;
@@ -171,8 +191,7 @@ int64_t FlatParamHandle::finish_unshard() {
   shard_cast_ = at::Tensor();
   if (records_.defined()) {
     at::NoGradGuard no_grad;
-    dequantize_records(full_, records_, comm_.param_quantization(),
-                       quantized_record(layout_.shard_numel(), comm_.quantization_block()));
+    dequantize_records(full_, records_, comm_.param_quantization(), quant_record_, quant_blocks_);
     // Read here on the compute stream, allocated on the all-gather's: the next all-gather that
     // gets the block waits for the compute stream first (comm_streams.h), dequantization included.
     record_ = records_ = at::Tensor();

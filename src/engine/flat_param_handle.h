@@ -39,6 +39,7 @@
 #include <ATen/ATen.h>
 
 #include "comm/comm_context.h"
+#include "comm/quantized_all_gather.h"
 #include "engine/flat_param.h"
 #include "fsdp/options.h"
 #include "engine/param_key.h"
@@ -47,6 +48,11 @@
 namespace fsdp {
 
 enum class HandleState { SHARDED, GATHERING, UNSHARDED };
+
+// How a quantized all-gather cuts every rank's shard of `layout` (quantized_all_gather.h: blocks
+// of at most `block` elements inside each parameter's slice and inside the padding): the record
+// every rank sends, and (when asked) each shard rank's blocks.
+QuantizedRecord quantization_layout(const FlatParamLayout& layout, int block, std::vector<BlockStarts>* blocks = nullptr);
 
 class FlatParamHandle {
  public:
@@ -130,6 +136,8 @@ class FlatParamHandle {
   bool gathered_guarded_ = false;
   std::vector<ShardSlice> slices_;        // this rank's slice of each parameter
   InFlight gather_;                       // the all-gather in flight while GATHERING
+  QuantizedRecord quant_record_;          // quantized: what each rank sends (built on first use)
+  std::vector<BlockStarts> quant_blocks_; // quantized: each shard rank's blocks
   at::Tensor record_;                     // quantized: this rank's record, read by the all-gather
   at::Tensor records_;                    // quantized: every rank's records, written by it
   at::Tensor secondary_;                  // hpZ: [padded_numel / N] of full_, kept from forward for backward

@@ -7,7 +7,7 @@
 #include "engine/flat_param.h"
 #include "engine/gradient_reduction.h"
 #include "comm/mesh_info.h"
-#include "comm/quantized_all_gather.h"
+#include "engine/flat_param_handle.h"
 #include "precision/precision.h"
 #include "engine/unit_decomposition.h"
 
@@ -75,7 +75,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
       int64_t staging = gathered;
       // (With hpZ backward gathers the secondary shards, unquantized.)
       if (options.quantize_all_gather != AllGatherQuantization::NONE && N == 0 && F > 1 && at::isFloatingType(compute)) {
-        staging = 2 * F * quantized_record(layout.shard_numel(), options.quantization_block).bytes();
+        staging = 2 * F * quantization_layout(layout, options.quantization_block).bytes();
       }
       nonroot_staging.push_back(staging);
       // hpZ: 1/N of the unit, in the compute dtype, from its forward until its backward gathers it.

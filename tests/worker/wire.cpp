@@ -1,9 +1,10 @@
 // fsdp-test-worker wire --variants quantize|gather [--quantize int8|fp8] [--quantize-block B] --out PREFIX
 //   Issue 26's quantized all-gather, as a user meets it.
 //   quantize (one process): the quantizer itself on shards of awkward sizes (1 element, a block
-//     and one more, blocks of 1 and 7), with zero blocks, outliers and tiny values: every element
-//     within its bound (int8: max|x| of its block / 254; fp8: |x| / 16, or the scale's subnormal
-//     step), zero blocks exact, the same bytes on a second call. Writes the worst error / bound.
+//     and one more, blocks of 1 and 7) cut into runs as parameters cut a shard, with a run of ones,
+//     zero runs, outliers and tiny values: no block crosses a run, every element within its bound
+//     (int8: max|x| of its block / 254; fp8: |x| / 16, or the scale's subnormal step), zero runs
+//     exact, the same bytes on a second call. Writes the worst error / bound.
 //   gather (W ranks, full_shard): the tiny GPT after two SGD steps; inside an unshard() scope the
 //     parameters hold what the units compute with (the quantized all-gather's output); summon_full_params
 //     gives the master weights. Writes the largest difference per parameter, its bound, and fsdp's
@@ -20,37 +21,48 @@ json check_quantizer(const Args& a) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(26);
   double worst = 0.0;  // error / bound, over every element of every case
   int64_t cases = 0, elements = 0;
-  bool zeros_exact = true, deterministic = true;
+  bool zeros_exact = true, deterministic = true, blocks_inside_runs = true;
   for (int64_t numel : {1, 7, 255, 256, 257, 1000, 4099}) {
     for (int block : {1, 7, 256}) {
+      // Runs as a shard's parameter slices make them: a LayerNorm-like run of ones beside runs of
+      // tiny values and an outlier; whole zero runs.
+      std::vector<int64_t> runs{0};
+      for (int64_t r : {3, 300, 310, 600, 999}) if (r < numel) runs.push_back(r);
       at::Tensor x = at::randn({numel}, gen) * 0.02;
-      if (numel > 3) x[numel / 2] = 3.0;  // an outlier: its block's scale grows, the others' do not
+      if (numel > 3) x.narrow(0, 0, 3).fill_(1.0);
+      if (numel > 3) x[numel / 2] = 3.0;
       if (numel > 600) {
-        x.narrow(0, 0, 300).zero_();                 // whole zero blocks
-        x.narrow(0, 300, 10).mul_(1e-6);             // tiny values in a block with larger ones
+        x.narrow(0, 310, 290).zero_();       // a whole zero run
+        x.narrow(0, 300, 10).mul_(1e-4);     // tiny values in a run of their own
       }
-      const auto record = fsdp::quantized_record(numel, block);
-      const at::Tensor packed = fsdp::quantize_shard(x, mode, record);
-      deterministic = deterministic && packed.equal(fsdp::quantize_shard(x, mode, record));
+      const fsdp::BlockStarts blocks = fsdp::quantization_blocks(runs, numel, block);
+      fsdp::QuantizedRecord record;
+      record.numel = numel;
+      record.max_blocks = static_cast<int64_t>(blocks.size()) + 2;  // another rank may need more
+      const at::Tensor packed = fsdp::quantize_shard(x, mode, record, blocks);
+      deterministic = deterministic && packed.equal(fsdp::quantize_shard(x, mode, record, blocks));
       at::Tensor back = at::empty({numel});
-      fsdp::dequantize_records(back, packed, mode, record);
-      // Per-element bound from the element's block.
-      const int64_t blocks = record.blocks();
-      at::Tensor padded = at::zeros({blocks * block});
-      padded.narrow(0, 0, numel).copy_(x);
-      at::Tensor absmax = padded.view({blocks, block}).abs().amax(1, true).expand({blocks, block}).reshape(-1).narrow(0, 0, numel);
+      fsdp::dequantize_records(back, packed, mode, record, {blocks});
+      // Each element's bound from its own block; blocks must end where runs do.
+      at::Tensor absmax = at::empty({numel});
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        const int64_t begin = blocks[b], end = b + 1 < blocks.size() ? blocks[b + 1] : numel;
+        if (end - begin > block) blocks_inside_runs = false;
+        for (int64_t r : runs) if (r > begin && r < end) blocks_inside_runs = false;
+        absmax.narrow(0, begin, end - begin).fill_(x.narrow(0, begin, end - begin).abs().max());
+      }
       at::Tensor bound = int8 ? absmax / 254.0 : at::maximum(x.abs() / 16.0, absmax / 448.0 * std::ldexp(1.0, -10));
       at::Tensor err = (back - x).abs();
       // Rounding of the scale and of x / scale in fp32: a relative 1e-6 on top.
       at::Tensor ratio = err / (bound * (1 + 1e-6) + 1e-30);
       worst = std::max(worst, ratio.max().item<double>());
-      if (numel > 600) zeros_exact = zeros_exact && back.narrow(0, 0, 256).abs().max().item<double>() == 0.0;
+      if (numel > 600) zeros_exact = zeros_exact && back.narrow(0, 310, 290).abs().max().item<double>() == 0.0;
       ++cases;
       elements += numel;
     }
   }
   return {{"cases", cases}, {"elements", elements}, {"worst_error_over_bound", worst},
-          {"zero_blocks_exact", zeros_exact}, {"deterministic", deterministic}};
+          {"zero_blocks_exact", zeros_exact}, {"deterministic", deterministic}, {"blocks_inside_runs", blocks_inside_runs}};
 }
 
 json check_gather(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
