@@ -14,8 +14,13 @@ namespace fsdp {
 
 // Spawns `nproc` processes running `argv` (argv[0] is the program path) and waits for all of
 // them. Returns 0 when every rank exited 0, else the first failure's exit code (128+signal for a
-// rank killed by a signal). `master_port` 0 picks a free port.
+// rank killed by a signal). `master_port` 0: the launcher hosts the job's store itself, on a port
+// the kernel picks (see kStoreHostedEnv).
 int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0);
+
+// Set (to 1) in the ranks' environment by launch_local when the launcher hosts the job's store
+// itself (master_port 0: a port it holds for the job's life); rank 0 then connects as a client.
+inline constexpr const char* kStoreHostedEnv = "FSDP_STORE_HOSTED";
 
 // For a program's main(): when argv holds "--nproc-per-node N" (or "--nproc-per-node=N") and this
 // process is not itself a launched rank, runs launch_local() on the same command line without

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +15,11 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+extern char** environ;
 
 namespace fsdp {
 namespace {
@@ -48,31 +54,53 @@ double launcher_grace_seconds() {
   return s;
 }
 
-// A free TCP port on 127.0.0.1 for the job's store.
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("fsdp: socket() failed while picking a free port");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    ::close(fd);
-    throw std::runtime_error("fsdp: could not find a free port on 127.0.0.1");
-  }
-  const int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
-}
 
 }  // namespace
 
 int launch_local(int nproc, const std::vector<std::string>& argv, int master_port) {
   if (nproc < 1) throw std::invalid_argument("fsdp: --nproc-per-node must be at least 1");
   if (argv.empty()) throw std::invalid_argument("fsdp: launch_local needs a program to run");
-  if (master_port == 0) master_port = free_port();
+  // The job's store, hosted here on a port the kernel picks and this process holds for the job's
+  // whole life; the ranks connect to it as clients (kStoreHostedEnv). Picking a free port and
+  // letting rank 0 bind it later raced with the sockets of jobs running beside this one (a test
+  // failed once with "rank 0 could not host the store").
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  if (master_port == 0) {
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    so.waitWorkers = false;
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    master_port = store->getPort();
+  }
+
+  // Every rank's environment and arguments are built before forking: this process has threads
+  // (the store's), and a forked child may only exec.
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const std::vector<std::string> overridden{"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                            "MASTER_PORT", kStoreHostedEnv};
+  std::vector<std::string> inherited;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string key = entry.substr(0, entry.find('='));
+    if (std::find(overridden.begin(), overridden.end(), key) == overridden.end()) inherited.push_back(entry);
+  }
+  std::vector<std::vector<std::string>> env_strings(static_cast<size_t>(nproc), inherited);
+  std::vector<std::vector<char*>> envs(static_cast<size_t>(nproc));
+  for (int r = 0; r < nproc; ++r) {
+    auto& e = env_strings[static_cast<size_t>(r)];
+    e.push_back("RANK=" + std::to_string(r));
+    e.push_back("LOCAL_RANK=" + std::to_string(r));
+    e.push_back("WORLD_SIZE=" + std::to_string(nproc));
+    e.push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+    e.push_back("MASTER_ADDR=127.0.0.1");
+    e.push_back("MASTER_PORT=" + std::to_string(master_port));
+    if (store) e.push_back(std::string(kStoreHostedEnv) + "=1");
+    for (auto& s : e) envs[static_cast<size_t>(r)].push_back(const_cast<char*>(s.c_str()));
+    envs[static_cast<size_t>(r)].push_back(nullptr);
+  }
 
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -85,17 +113,9 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
     pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("fsdp: fork() failed while launching rank " + std::to_string(r));
     if (pid == 0) {
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execv(args[0], args.data());
-      std::cerr << "fsdp: could not exec " << argv[0] << ": " << std::strerror(errno) << std::endl;
+      ::execve(args[0], args.data(), envs[static_cast<size_t>(r)].data());
+      static const char msg[] = "fsdp: could not exec the rank's program\n";
+      (void)!::write(2, msg, sizeof(msg) - 1);
       ::_exit(127);
     }
     pids.push_back(pid);

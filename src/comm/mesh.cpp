@@ -1,5 +1,6 @@
 #include "comm/mesh_state.h"
 #include "comm/simulated_backend.h"
+#include "fsdp/launch.h"
 
 #include <signal.h>
 
@@ -168,7 +169,9 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
   state->gloo_interface = detail::choose_gloo_interface(env);
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
+  // Rank 0 hosts the store, unless fsdp's local launcher already does (fsdp/launch.h).
+  const char* hosted = std::getenv(kStoreHostedEnv);
+  so.isServer = env.rank == 0 && !(hosted && std::string(hosted) == "1");
   so.numWorkers = env.world_size;
   // Rank 0 does not wait inside the store's constructor: the launch keys below name who is missing.
   so.waitWorkers = false;
