@@ -26,12 +26,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def train(quantize, args, workdir):
-    metrics = os.path.join(workdir, f"{quantize}.jsonl")
+def train(quantize, args, workdir, flags=()):
+    metrics = os.path.join(workdir, f"{quantize}-{len(flags)}.jsonl")
     cmd = [os.path.join(args.bin, "fsdp-train"), "--model", args.model, "--nproc-per-node", str(args.nproc),
            "--strategy", "full_shard", "--steps", str(args.steps), "--eval-every", str(args.steps),
            "--log-every", "50", "--run-dir", "none", "--sample-tokens", "0", "--metrics-jsonl", metrics,
-           "--quantize-all-gather", quantize] + args.extra
+           "--quantize-all-gather", quantize] + list(flags) + args.extra
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     rows = [json.loads(line) for line in open(metrics)]
@@ -53,6 +53,9 @@ def main():
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--quantize", default="int8,fp8", help="comma-separated: int8, fp8")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="also train fp32 with Gloo's own reduce-scatter: the same math, summed in another order "
+                         "(last-bit differences only), to show how far 300 steps carry a perturbation of one ulp")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench-quantization", "loss.png"))
     ap.add_argument("extra", nargs="*", help="more fsdp-train flags, after --")
     args = ap.parse_args()
@@ -61,11 +64,13 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         for q in ["none"] + [x for x in args.quantize.split(",") if x]:
             results[q] = train(q, args, workdir)
+        if args.noise_floor:
+            results["fp32, other summation order"] = train("none", args, workdir, ["--gloo-reduce-scatter", "all_reduce"])
     exact = results["none"]
     fig, ax = plt.subplots(figsize=(7, 4))
     for q, r in results.items():
-        ax.plot(range(len(r["losses"])), r["losses"], label="fp32 all-gather" if q == "none" else f"{q} all-gather",
-                linewidth=1.0)
+        label = "fp32 all-gather" if q == "none" else q if q.startswith("fp32") else f"{q} all-gather"
+        ax.plot(range(len(r["losses"])), r["losses"], label=label, linewidth=1.0)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (rank 0's micro-batch)")
     ax.set_title(f"GPT '{args.model}', full_shard, W = {args.nproc}: quantized all-gathers")

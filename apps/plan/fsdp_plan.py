@@ -6,20 +6,26 @@ step time, for any strategy, sharding factor, world size, hosts, link bandwidths
         --batch-per-rank 1 --seq 2048 --hardware a100-roce
 
 How the step time is predicted: the schedule the runtime follows, replayed as events. Compute is
-one resource (the rank's device or cores), communication two more (a FIFO of the collectives
-that cross host links, and one of those that stay inside a host: a hybrid strategy's shard
-group works beside its replica group). Forward: each unit's all-gather is issued when the unit is reached
-(or one unit ahead with forward prefetch), and its forward waits for it. Backward: with
-BACKWARD_PRE prefetch the next unit's all-gather is issued before the current unit's gradient
-computation; each unit's reduce-scatter (and, with replicas, the all-reduce of its shard) is
-issued when its gradients are ready; the rate limiter keeps at most --limit-all-gathers gathers
-in flight; the step ends when the last reduction is done and the optimizer has stepped.
-A collective's time: the bytes on its busiest link (ring algorithms; Gloo's reduce-scatter is
+one resource (the rank's device or cores); each process group's collectives run on that group's
+workers (NCCL: one, a communicator's collectives in issue order; Gloo: its two threads per group,
+and fsdp's ring reduce-scatter on an executor thread of its own), and the host link is one more
+resource, busy only while bytes cross it, which the collectives running at once share. Forward:
+each unit's all-gather is issued when the unit is reached (or one unit ahead with forward
+prefetch), and its forward waits for it. Backward: with BACKWARD_PRE prefetch the next unit's
+all-gather is issued before the current unit's gradient computation; each unit's reduce-scatter
+(and, with replicas, the all-reduce of its shard) is issued when its gradients are ready; the rate
+limiter keeps at most --limit-all-gathers gathers in flight; the step ends when the last reduction
+is done and the optimizer has stepped.
+A collective's cost: the bytes on its busiest link (ring algorithms; Gloo's reduce-scatter is
 fsdp's own ring by default, as NCCL's, or with --gloo-reduce-scatter all_reduce ProcessGroupGloo's
-all-reduce of the whole input) over that link's bandwidth, plus a per-message latency. Compute
-per unit comes from a calibration (per-unit forward and backward times measured on the target
-device, as bench/cluster/planner_check measures them) or from FLOPs at a stated throughput
-(--tflops, --mfu).
+all-reduce of the whole input) over that link's bandwidth, and a per-message cost (--latency). On
+NCCL the latency of each ring step comes before its transfer, so they add up. On Gloo over TCP the
+per-message cost is the ranks' CPU time (wake-ups, copies, the TCP stack), which runs while the
+kernel drains the sockets' buffers onto the wire: a collective takes the longer of the two, not
+their sum (on the emulated cluster a 10x slower link lengthened full_shard's step by a fifth of
+the wire time it added; see simulate()). Compute per unit comes from a calibration (per-unit
+forward and backward times measured on the target device, as bench/cluster/planner_check measures
+them) or from FLOPs at a stated throughput (--tflops, --mfu).
 
 Issue 26's options, as fsdp-train has them: --reshard-after-forward-to N (--hpz: N = ranks per
 host) keeps a secondary shard of each non-root unit after forward, so backward's all-gathers run
@@ -79,8 +85,25 @@ def padded(n, F):
     return int(math.ceil(n / F) * F)
 
 
+# Gloo process groups run this many collectives at once (src/comm/mesh_state.h, kGlooThreadsPerGroup).
+GLOO_THREADS_PER_GROUP = 2
+
+
+class Cost:
+    """What one collective takes: t_inter, seconds of bytes on the busiest host link (0: it stays
+    inside hosts); t_intra, seconds of bytes on a rank's link inside its host; t_messages, its
+    per-message costs; link_bytes, the bytes on the busiest host link; overlaps_wire: whether the
+    per-message costs run beside the transfers (Gloo over TCP) or before each step's (NCCL);
+    t_after, compute its completion waits for (a quantized gather's quantizing and dequantizing)."""
+
+    def __init__(self, t_inter=0.0, t_intra=0.0, t_messages=0.0, link_bytes=0.0, overlaps_wire=False):
+        self.t_inter, self.t_intra, self.t_messages, self.link_bytes = t_inter, t_intra, t_messages, link_bytes
+        self.overlaps_wire = overlaps_wire
+        self.t_after = 0.0  # compute charged to its completion (quantizing and dequantizing)
+
+
 class Network:
-    """Per-collective time from the bytes its busiest link carries (ring algorithms)."""
+    """Per-collective cost from the bytes its busiest link carries (ring algorithms)."""
 
     def __init__(self, W, G, intra_bps, inter_bps, latency, backend, framing=1.0, gloo_reduce_scatter="ring"):
         self.W, self.G, self.intra, self.inter, self.latency, self.backend = W, G, intra_bps, inter_bps, latency, backend
@@ -88,13 +111,13 @@ class Network:
         self.gloo_reduce_scatter = gloo_reduce_scatter  # fsdp-train --gloo-reduce-scatter
 
     def _ring(self, groups, M_per_rank_send, messages):
-        """Time of a ring collective that every group of `groups` runs at once (all shard groups,
+        """Cost of a ring collective that every group of `groups` runs at once (all shard groups,
         or all replica groups, do the same collective together), each member sending
         M_per_rank_send bytes to its neighbour: the busiest host link carries every edge that
         leaves its host, the ranks inside a host share nothing but their own links."""
         n = len(groups[0])
         if n == 1 or M_per_rank_send == 0:
-            return 0.0, 0.0, 0.0
+            return Cost()
         host = lambda r: r // self.G  # noqa: E731
         leaving = {}
         for g in groups:
@@ -103,9 +126,10 @@ class Network:
                 if host(a) != host(b):
                     leaving[host(a)] = leaving.get(host(a), 0) + 1
         per_host_link = M_per_rank_send * max(leaving.values(), default=0) * self.framing
-        t_inter = per_host_link / self.inter
-        t_intra = M_per_rank_send / self.intra
-        return max(t_inter, t_intra) + messages * self.latency, per_host_link, M_per_rank_send
+        # Gloo over TCP: a message's cost is the ranks' CPU time, paid while the socket buffers
+        # drain onto the wire (simulate()); NCCL: a ring step's latency, then its transfer.
+        return Cost(per_host_link / self.inter, M_per_rank_send / self.intra, messages * self.latency, per_host_link,
+                    overlaps_wire=self.backend == "gloo")
 
     def all_gather(self, groups, M):
         n = len(groups[0])
@@ -153,8 +177,77 @@ def check_issue26(args):
         raise SystemExit("fsdp-plan: --reshard-after-forward-to %d must divide F = %d and be less than it" % (N, args.F))
 
 
+class Link:
+    """A host link's time on the wire: when its busiest direction carries bytes. The links are full
+    duplex and every ring loads a host's two directions alike (what its edges send out of the host
+    equals what its other edges bring in), so one calendar per link stands for both directions.
+
+    The link is busy only while bytes cross it. A collective's transfer is placed in the link's idle
+    time from when it is ready, around the transfers placed before it (the bytes of collectives that
+    run at once, on different threads, interleave on the wire), so the link's busy time is the sum
+    of every transfer's bytes over its rate, whatever else each collective waits for."""
+
+    def __init__(self):
+        self.busy = []  # sorted, disjoint (start, end)
+
+    def transfer(self, ready, duration):
+        """Carries `duration` seconds of bytes from `ready` on, in the gaps between what is there;
+        returns when the last byte has crossed."""
+        if duration <= 0:
+            return ready
+        t, left, placed = ready, duration, []
+        for a, b in self.busy:
+            if b <= t:
+                continue
+            if a > t:
+                take = min(a - t, left)
+                placed.append((t, t + take))
+                left -= take
+                t += take
+                if left <= 0:
+                    break
+            t = max(t, b)
+        if left > 0:
+            placed.append((t, t + left))
+            t += left
+        merged = []
+        for a, b in sorted(self.busy + placed):
+            if merged and a <= merged[-1][1] + 1e-15:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.busy = merged
+        return t
+
+
 def simulate(model, args, compute, net):
-    """One step's events for rank 0. Returns a dict of times (s) and per-host-link bytes."""
+    """One step's events for rank 0. Returns a dict of times (s) and per-host-link bytes.
+
+    Where a collective runs, as the runtime runs it. Each process group has its workers: NCCL runs
+    one communicator's collectives one after another (one worker per group: an all-gather waits
+    behind the reduce-scatter issued before it, which is why the paper prefetches in backward); ProcessGroupGloo runs up to
+    kGlooThreadsPerGroup = 2 of a group's collectives at once, each on its own thread
+    (src/comm/mesh_state.h), and fsdp's ring reduce-scatter runs on its own executor thread, one per
+    Gloo group, one job after another (src/comm/ring_reduce_scatter.h). A collective starts when it
+    is issued and a worker of its group is free. What it sends across hosts goes through the host
+    link (Link): collectives running at once share the wire, each link's busy time being the sum
+    of their bytes. A collective is done when its last byte has crossed and its per-message costs
+    are paid (Cost.overlaps_wire: with Gloo over TCP these are the ranks' CPU time, which runs
+    while the kernel drains the sockets' buffers onto the wire, so they overlap the wire time; with
+    NCCL each ring step's latency comes before the step's transfer).
+
+    Until issue 26's check the planner queued every collective that crossed a host link in one
+    FIFO, each holding it for its wire time plus its per-message costs. On Gloo that serialized
+    what the runtime runs at once. The per-message cost is CPU time, not wire time: full_shard at
+    2 x 2 measured 76 ms a step at 1 Gbit/s and 92 ms at 100 Mbit/s, where its 1095 KB per host
+    link take 87.6 ms on the wire alone, so the step is the wire time and the 39 messages' costs
+    (35 ms in the FIFO with that day's calibration, 0.9 ms a message) hide under it, even in
+    forward, where each gather runs alone. Adding them put the planner 27-43 % over every
+    full_shard configuration at 100 Mbit/s; at 20 Mbit/s, with wire times 5x longer, they were a
+    small error. Where a gather's bytes are few (int8 records: 41 KB per host link for a block,
+    3.3 ms at 100 Mbit/s), its 6 messages' CPU cost is the longer of the two and sets its time.
+    The threads matter less at this scale (a reduce-scatter's bytes can go under the next gather's
+    per-message costs) but are what the runtime does."""
     W, F, strategy = args.world, args.F, args.strategy
     shard, replicate = groups_of(W, F)
     el_param = args.param_bytes
@@ -169,19 +262,36 @@ def simulate(model, args, compute, net):
     N = args.reshard_after_forward_to
     secondary = secondary_groups(W, N) if N else None
     quantized = args.quantize_all_gather != "none"
+    gloo = net.backend == "gloo"
     link_bytes = 0.0
-    # Two FIFOs: collectives that cross host links queue for them; those inside a host (a hybrid
-    # strategy's shard group) run beside them, as their process groups' threads do.
-    free = {"inter": 0.0, "intra": 0.0}
+    link = Link()
+    # Each group's workers: when each is next free. The ring reduce-scatter's executor ("ring") is
+    # a worker of its own beside the shard group's Gloo threads.
+    per_group = GLOO_THREADS_PER_GROUP if gloo else 1
+    workers = {"shard": [0.0] * per_group, "replicate": [0.0] * per_group, "secondary": [0.0] * per_group,
+               "ring": [0.0]}
     in_flight_gathers = []
 
-    def comm(t_issue, duration, bytes_on_link):
+    def comm(t_issue, cost, group):
+        """Runs collective `cost` (Network's) issued at t_issue on `group`'s next free worker;
+        returns when it is done."""
         nonlocal link_bytes
-        channel = "inter" if bytes_on_link > 0 else "intra"
-        start = max(t_issue, free[channel])
-        free[channel] = start + duration
-        link_bytes += bytes_on_link
-        return free[channel]
+        free = workers[group]
+        i = min(range(len(free)), key=free.__getitem__)
+        start = max(t_issue, free[i])
+        if cost.overlaps_wire:
+            # The CPU's per-message work beside the wire: done when both are.
+            wire_done = link.transfer(start, cost.t_inter)
+            done = max(wire_done, start + max(cost.t_intra, cost.t_messages))
+        else:
+            # Each ring step's latency, then its transfer: the link idles through the latencies,
+            # which other groups' transfers may use.
+            wire_done = link.transfer(start + cost.t_messages, cost.t_inter)
+            done = max(wire_done, start + cost.t_messages + cost.t_intra)
+        done += cost.t_after
+        free[i] = done
+        link_bytes += cost.link_bytes
+        return done
 
     t = 0.0
     exposed = 0.0
@@ -197,15 +307,15 @@ def simulate(model, args, compute, net):
                 t_issue = max(t_issue, in_flight_gathers.pop(0))
         if backward and N:
             # hpZ: from the secondary shards, over N ranks, in the compute dtype.
-            d, b, _ = net.all_gather(secondary, numel[u] * el_param)
+            cost, group = net.all_gather(secondary, numel[u] * el_param), "secondary"
         elif quantized:
             # qwZ: each rank's P bytes gathered into F P; quantizing the shard and dequantizing
             # the whole unit delay the gather's completion (charged as part of it).
-            d, b, _ = net.all_gather(shard, F * quantized_shard_bytes(numel[u] // F, args.quantize_block))
-            d += (numel[u] // F + numel[u]) * args.quantize_s_per_element
+            cost, group = net.all_gather(shard, F * quantized_shard_bytes(numel[u] // F, args.quantize_block)), "shard"
+            cost.t_after = (numel[u] // F + numel[u]) * args.quantize_s_per_element
         else:
-            d, b, _ = net.all_gather(shard, numel[u] * el_param)
-        ag_done[u] = comm(t_issue, d, b)
+            cost, group = net.all_gather(shard, numel[u] * el_param), "shard"
+        ag_done[u] = comm(t_issue, cost, group)
         in_flight_gathers.append(ag_done[u])
 
     def wait(u):
@@ -213,6 +323,16 @@ def simulate(model, args, compute, net):
         if u in ag_done and ag_done[u] > t:
             exposed += ag_done[u] - t
             t = ag_done[u]
+
+    def reduce(u, t):
+        M = numel[u] * el_reduce
+        if F == 1:
+            return comm(t, net.all_reduce(replicate, M), "replicate")
+        ring = gloo and net.gloo_reduce_scatter == "ring"
+        done = comm(t, net.reduce_scatter(shard, M), "ring" if ring else "shard")
+        if replicas > 1:
+            done = comm(done, net.all_reduce(replicate, M / F), "replicate")
+        return done
 
     # Forward: the root (embeddings) first, then the blocks, then the head (root again).
     order = units[1:]
@@ -238,29 +358,14 @@ def simulate(model, args, compute, net):
             gather(rev[k + 1], t, backward=True)
         wait(u)
         t += compute["bwd"][u]
-        reductions_done = reduce(u, t, numel, shard, replicate, replicas, el_reduce, net, comm, F, strategy)
-    reductions_done = reduce("root", t, numel, shard, replicate, replicas, el_reduce, net, comm, F, strategy)
+        reductions_done = max(reductions_done, reduce(u, t))
+    reductions_done = max(reductions_done, reduce("root", t))
     end_backward = t
     if reductions_done > t:
         exposed += reductions_done - t
         t = reductions_done
     t += compute["optimizer"]
     return {"step_s": t, "backward_end_s": end_backward, "exposed_comm_s": exposed, "link_bytes": link_bytes}
-
-
-def reduce(u, t, numel, shard, replicate, replicas, el_reduce, net, comm, F, strategy):
-    M = numel[u] * el_reduce
-    done = t
-    if F > 1:
-        d, b, _ = net.reduce_scatter(shard, M)
-        done = comm(t, d, b)
-        if replicas > 1:
-            d, b, _ = net.all_reduce(replicate, M / F)
-            done = comm(done, d, b)
-    else:
-        d, b, _ = net.all_reduce(replicate, M)
-        done = comm(t, d, b)
-    return done
 
 
 def flops_compute(model, args):

@@ -3,13 +3,17 @@ redrawn from it with the paper's hardware.
 
     bench/cluster/planner_check [--results build/bench-cluster/results.json]
                                 [--comm-results build/bench-cluster/comm_features.json] [--out DIR]
+                                [--calibration build/bench-cluster/calibration.json]
     bench/cluster/planner_check --at-scale      # only the 512-GPU table of issue 26's options (no root)
 
 1. Calibration, under the same sharing of the 2 cores as the runs it predicts: one run of
    full_shard at 2 hosts x 2 ranks, 1 Gbit/s, traced (fsdp-train --trace): each block's forward
    and backward compute, and the rest of the step (embeddings, head, loss, optimizer) from the
    step time less the blocks and the exposed waits. The loopback's rate and per-collective cost,
-   from a traced run on one host (every collective on loopback).
+   from traced runs of 2 ranks on one host (every collective on loopback): Gloo's per-message cost,
+   CPU time, is that cost over the messages of a collective there, times how many more ranks share
+   the cores on the cluster (cpu_share: its 4 ranks run on the same 2 cores). The one fitted figure,
+   the cross-host rate the cores can drive, makes the planner reproduce the calibration run's step.
 2. Validation: the planner's step time and per-link bytes for every strategy at 20, 100 and
    1000 Mbit/s against what bench/cluster/run measured (its results.json): only full_shard at
    1 Gbit/s took part in the calibration. And issue 26's configurations (comm_features.json, from
@@ -19,7 +23,9 @@ redrawn from it with the paper's hardware.
    RoCE per host): GPT-175B TFLOPS per GPU at 128-512 GPUs with and without backward prefetch
    (paper Fig. 6b/9), T5-11B at 8-512 GPUs, full against hybrid sharding's cross-host traffic,
    and what issue 26's options change for GPT-175B on 512 GPUs (at_scale()).
-Writes planner.json, planner.md and paper_figures.svg/.png to --out.
+Writes planner.json, planner.md and paper_figures.svg/.png to --out, and the calibration's
+measurements to calibration.json there (step 1 only: --calibration FILE reuses such a file, so the
+model can be checked again without the cluster; the one fitted figure is always fitted anew).
 """
 
 import argparse
@@ -41,6 +47,8 @@ TRAIN = os.path.join(ROOT, "build", "bin", "fsdp-train")
 # What a results.json without "flags" was measured with: fsdp-train before issue 26, whose Gloo
 # reduce-scatter was ProcessGroupGloo's all-reduce (docs/img/cluster/results.json).
 LEGACY_FLAGS = ["--gloo-reduce-scatter", "all_reduce"]
+# The calibration's loopback runs: this many ranks on one host (this machine).
+LOOPBACK_RANKS = 2
 # The planner's spelling of fsdp-train's issue-26 flags (the same names; --hpz alike).
 PLANNER_FLAGS = ("--gloo-reduce-scatter", "--reshard-after-forward-to", "--hpz", "--quantize-all-gather",
                  "--quantize-block")
@@ -76,19 +84,22 @@ def calibrate(model, batch, steps=12, trace_step=6):
         # is fitted as a fixed cost plus bytes over a rate (least squares over every all-gather
         # and reduce-scatter of both ranks, three runs). These runs have fsdp-train's default ring
         # reduce-scatter, which sends what fsdp counts for it (ProcessGroupGloo's all-reduce, before
-        # issue 26, sent twice that).
+        # issue 26, sent twice that). The fixed cost is per collective; the planner charges it per
+        # message, so the messages of each are counted too (at 2 ranks: an all-gather's 2(n-1) = 2,
+        # the ring reduce-scatter's n-1 = 1).
         points = []
         for run in range(3):
             local_dir = os.path.join(d, "local%d" % run)
             os.makedirs(local_dir)
             subprocess.run([TRAIN, "--model", model, "--steps", str(steps), "--global-batch-size", str(batch),
-                            "--strategy", "full_shard", "--nproc-per-node", "2", "--log-every", "1000", "--trace",
-                            local_dir, "--trace-step", str(trace_step), "--run-dir", "none", "--sample-tokens", "0"],
-                           check=True, capture_output=True)
-            for rank in range(2):
+                            "--strategy", "full_shard", "--nproc-per-node", str(LOOPBACK_RANKS), "--log-every", "1000",
+                            "--trace", local_dir, "--trace-step", str(trace_step), "--run-dir", "none",
+                            "--sample-tokens", "0"], check=True, capture_output=True)
+            for rank in range(LOOPBACK_RANKS):
                 for e in trace_events(os.path.join(local_dir, "trace-rank%d.json" % rank)):
                     if e.get("ph") == "X" and e["cat"] in ("all-gather", "reduce-scatter") and e["args"].get("bytes", 0) > 0:
-                        points.append((e["args"]["bytes"], e["dur"] / 1e6))
+                        messages = 2 * (LOOPBACK_RANKS - 1) if e["cat"] == "all-gather" else LOOPBACK_RANKS - 1
+                        points.append((e["args"]["bytes"], e["dur"] / 1e6, messages))
     n = len(points)
     mx = sum(p[0] for p in points) / n
     my = sum(p[1] for p in points) / n
@@ -100,7 +111,9 @@ def calibrate(model, batch, steps=12, trace_step=6):
     other_ms = statistics.median(p[3] - p[0] - p[1] - p[2] for p in per_rank)
     return {"block_fwd_s": fwd_ms / 1e3, "block_bwd_s": bwd_ms / 1e3, "root_fwd_s": 0.0, "root_bwd_s": 0.0,
             "other_s": other_ms / 1e3, "loopback_bytes_per_s": 1.0 / slope if slope > 0 else 1e10,
-            "collective_fixed_s": fixed, "calibration_step_s": calib_step_ms / 1e3}
+            "collective_fixed_s": fixed, "calibration_step_s": calib_step_ms / 1e3,
+            "loopback_messages_per_collective": sum(p[2] for p in points) / n, "loopback_ranks": LOOPBACK_RANKS,
+            "cores": os.cpu_count()}
 
 
 def planner_flags(flags):
@@ -112,16 +125,31 @@ def planner_flags(flags):
     return out
 
 
+def cpu_share(calib, world):
+    """How much longer a rank's CPU work takes on the emulated cluster than in the loopback runs:
+    every host of the cluster is a namespace of this machine, so all `world` ranks share its cores,
+    where the loopback runs had LOOPBACK_RANKS ranks on them (4 ranks on 2 cores against 2: twice)."""
+    cores = calib.get("cores") or os.cpu_count() or 1
+    return max(1.0, world / cores) / max(1.0, calib.get("loopback_ranks", LOOPBACK_RANKS) / cores)
+
+
 def predict(model_name, strategy, rate_mbit, calib, batch_per_rank, flags=(), hosts=2, per_host=2):
     """The planner's step for a run on the emulated cluster; `flags`: the run's fsdp-train flags."""
     # What crosses hosts runs at the link's rate or at what the cores can drive, whichever is less.
     rate_mbit = min(rate_mbit, calib.get("drivable_mbit", rate_mbit))
+    # Gloo's per-message cost and its loopback copies are CPU time, measured on loopback with
+    # fewer ranks on the cores than the cluster has (cpu_share). Per message: the fixed cost per
+    # collective over the loopback runs' messages per collective (13/8 with the ring reduce-scatter,
+    # for calibrations that did not count them: a step's 5 all-gathers of 2 messages and 3
+    # reduce-scatters of 1; it was 2 when the reduce-scatter was Gloo's all-reduce).
+    share = cpu_share(calib, hosts * per_host)
+    per_message = calib["collective_fixed_s"] / calib.get("loopback_messages_per_collective", 13.0 / 8.0)
     args = fsdp_plan.parser().parse_args([
         "--model", model_name, "--world", str(hosts * per_host), "--ranks-per-host", str(per_host), "--strategy", strategy,
         "--batch-per-rank", str(batch_per_rank), "--backend", "gloo", "--framing", "1.07",
         "--param-bytes", "4", "--reduce-bytes", "4",
-        "--inter-gbs", str(rate_mbit / 8 / 1000.0), "--intra-gbs", str(calib["loopback_bytes_per_s"] / 1e9),
-        "--latency", str(calib["collective_fixed_s"] / 2)] + planner_flags(flags))  # per message: a 2-rank collective sends 2
+        "--inter-gbs", str(rate_mbit / 8 / 1000.0), "--intra-gbs", str(calib["loopback_bytes_per_s"] / share / 1e9),
+        "--latency", str(per_message * share)] + planner_flags(flags))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(calib, f)
     args.calibration = f.name
@@ -282,6 +310,10 @@ def main():
     ap.add_argument("--comm-results", default=os.path.join(ROOT, "build", "bench-cluster", "comm_features.json"),
                     help="bench/cluster/run's part 3 (issue 26); left out where it does not exist")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench-cluster"))
+    ap.add_argument("--calibration", metavar="FILE",
+                    help="reuse a calibration (the measured dict printed as 'calibration: {...}', saved by every "
+                         "calibrating run as OUT/calibration.json) instead of running the cluster; the drivable "
+                         "rate is fitted again")
     ap.add_argument("--at-scale", action="store_true",
                     help="print only the 512-GPU table of issue 26's options (no cluster, no root)")
     a = ap.parse_args()
@@ -292,7 +324,16 @@ def main():
     measured = json.load(open(a.results))
     flags = measured.get("flags", LEGACY_FLAGS)
     model, batch = measured["model"], measured["batch"]
-    calib = calibrate(model, batch)
+    if a.calibration:
+        # What an earlier run measured (its "calibration: {...}" line, or the file it saved). The
+        # drivable rate is the planner's fit, not a measurement: fitted again below, with this
+        # version of the model.
+        calib = json.load(open(a.calibration))
+        calib.pop("drivable_mbit", None)
+    else:
+        calib = calibrate(model, batch)
+        os.makedirs(a.out, exist_ok=True)
+        json.dump(calib, open(os.path.join(a.out, "calibration.json"), "w"), indent=1)
     # The one fitted figure: the cross-host rate that 4 ranks on 2 cores can drive through Gloo
     # (TCP over veth costs CPU time the ranks also compute with). Bisection, so that the planner
     # reproduces the calibration run's step (full_shard at 1 Gbit/s).

@@ -43,7 +43,9 @@ struct MemoryPlan {
   int64_t head_unsharded_params = 0;
   // Gloo (CPU) runs an all-gather into a flat staging copy of its whole output and copies it out
   // at the end: the units backward prefetches hold that second copy while their all-gather runs
-  // (counted while the units' backwards run: measured there, not at the head's moment).
+  // (counted while the units' backwards run: measured there, not at the head's moment). With
+  // quantized all-gathers, the records they gather into (F per unit; on the CPU with their staging
+  // copy) instead.
   int64_t gather_staging = 0;
   // hpZ (Options::reshard_after_forward_to = N): every non-root unit's 1/N, in the compute dtype,
   // held from its forward to its backward; included in peak_unsharded_params and

@@ -72,10 +72,13 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
       root_compute_bytes = layout.numel() * static_cast<int64_t>(c10::elementSize(compute));
     } else {
       nonroot_bytes.push_back(gathered);
-      int64_t staging = gathered;
-      // (With hpZ backward gathers the secondary shards, unquantized.)
+      // What a backward prefetch holds besides the unit's buffer while it is in flight: on the CPU
+      // Gloo's staging copy of its output; quantized, the records it gathers into (and on the CPU
+      // their staging copy) instead. With hpZ backward gathers the secondary shards, unquantized.
+      const bool cpu = device == c10::kCPU;
+      int64_t staging = cpu ? gathered : 0;
       if (options.quantize_all_gather != AllGatherQuantization::NONE && N == 0 && F > 1 && at::isFloatingType(compute)) {
-        staging = 2 * F * quantization_layout(layout, options.quantization_block).bytes();
+        staging = (cpu ? 2 : 1) * F * quantization_layout(layout, options.quantization_block).bytes();
       }
       nonroot_staging.push_back(staging);
       // hpZ: 1/N of the unit, in the compute dtype, from its forward until its backward gathers it.
@@ -95,7 +98,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     const size_t prefetched = options.backward_prefetch == BackwardPrefetch::BACKWARD_PRE ? static_cast<size_t>(options.prefetch_count) : 0;
     plan.head_unsharded_params = root_bytes;
     for (size_t i = 0; i < std::min(prefetched, nonroot_bytes.size()); ++i) plan.head_unsharded_params += nonroot_bytes[i];
-    if (device == c10::kCPU && options.backward_prefetch != BackwardPrefetch::NONE) {
+    if (options.backward_prefetch != BackwardPrefetch::NONE) {
       const size_t ahead = static_cast<size_t>(options.prefetch_count);
       for (size_t i = 0; i < std::min(ahead, nonroot_staging.size()); ++i) plan.gather_staging += nonroot_staging[i];
     }
