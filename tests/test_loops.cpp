@@ -31,6 +31,7 @@ std::string name_of(const Config& c) {
   std::string extra;
   if (c.extra.find("record_function") != std::string::npos) extra += "_record_function";
   if (c.extra.find("forward-prefetch") != std::string::npos) extra += "_forward_prefetch";
+  if (c.extra.find("--hpz") != std::string::npos) extra += "_hpz";
   return c.strategy + "_W" + std::to_string(c.world) + (c.shard_size ? "_F" + std::to_string(c.shard_size) : "") +
          "_" + c.precision + extra;
 }
@@ -68,7 +69,10 @@ const Config kConfigs[] = {
     {"full_shard", 2, 0, "none", "--unit-detection record_function", 10},
     {"hybrid_shard", 4, 2, "bf16", "--unit-detection record_function", 10},
     {"full_shard", 3, 0, "none", "--forward-prefetch 1", 10},
-    {"shard_grad_op", 2, 0, "bf16", "--forward-prefetch 1", 10}};
+    {"shard_grad_op", 2, 0, "bf16", "--forward-prefetch 1", 10},
+    // hpZ (issue 26): backward gathers the secondary shards forward kept, within pairs of ranks.
+    {"full_shard", 4, 0, "none", "--hpz 2", 10},
+    {"full_shard", 4, 0, "bf16", "--hpz 2", 10}};
 INSTANTIATE_TEST_SUITE_P(Strategies, Fuzz, testing::ValuesIn(kConfigs),
                          [](const testing::TestParamInfo<Config>& i) { return name_of(i.param); });
 

@@ -577,7 +577,7 @@ def parser():
     ap.add_argument("--hpz", action="store_true", help="--reshard-after-forward-to the ranks per host")
     ap.add_argument("--quantize-all-gather", default="none", choices=["none", "int8", "fp8"],
                     help="qwZ: parameter all-gathers as a byte per element and an fp32 scale per block")
-    ap.add_argument("--quantize-block", type=int, default=256, help="elements per quantization scale")
+    ap.add_argument("--quantize-block", type=int, default=64, help="elements per quantization scale")
     ap.add_argument("--quantize-s-per-element", type=float, default=0.0,
                     help="seconds to quantize or dequantize one element (default 0: not measured)")
     return ap

@@ -42,7 +42,7 @@ struct Config {
   std::string gloo_reduce_scatter = "ring";  // or all_reduce (Gloo's own: twice the bytes)
   int reshard_after_forward_to = 0;          // hpZ; -1 (--hpz): the ranks per node
   std::string quantize_all_gather = "none";  // qwZ: int8 or fp8
-  int quantization_block = 256;
+  int quantization_block = 64;
   std::string trace_dir;     // write each rank's Chrome trace of step `trace_step` here
   int trace_step = 2;
   std::string mixed_precision = "none";  // or bf16 / fp16: param and reduce dtype

@@ -61,7 +61,7 @@ def comm_of(flags, per_host):
         return flags[flags.index(name) + 1] if name in flags else default
     hpz = per_host if "--hpz" in flags else int(value("--reshard-after-forward-to", 0))
     return traffic_model.Comm(value("--gloo-reduce-scatter", "ring"), hpz, value("--quantize-all-gather", "none"),
-                              int(value("--quantize-block", 256)))
+                              int(value("--quantize-block", 64)))
 
 
 def cluster(hosts, per_host, rate, program, timeout=600, counters=None):

@@ -3,7 +3,7 @@
     python traffic.py --jsonl metrics.jsonl --hosts 2 --ranks-per-host 2 --strategy hybrid_shard \
         [--shard-size 2] [--idle-bytes-per-s 0] [--skip-steps 1] \
         [--gloo-reduce-scatter ring|all_reduce] [--reshard-after-forward-to N | --hpz] \
-        [--quantize-all-gather none|int8|fp8] [--quantize-block 256] [--model small]
+        [--quantize-all-gather none|int8|fp8] [--quantize-block 64] [--model small]
 
 reads the rows fsdp-train wrote (--metrics-jsonl; each row carries what this host's links carried
 through the step, read from the kernel's counters) and prints one JSON object: per host, the
@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--reshard-after-forward-to", type=int, default=0, metavar="N")
     ap.add_argument("--hpz", action="store_true", help="--reshard-after-forward-to the ranks per host")
     ap.add_argument("--quantize-all-gather", default="none", choices=["none", "int8", "fp8"])
-    ap.add_argument("--quantize-block", type=int, default=256)
+    ap.add_argument("--quantize-block", type=int, default=64)
     ap.add_argument("--model", help="the GPT preset the run trained (needed with hpZ or quantized all-gathers)")
     a = ap.parse_args()
     comm = traffic_model.Comm(a.gloo_reduce_scatter, a.ranks_per_host if a.hpz else a.reshard_after_forward_to,

@@ -60,7 +60,7 @@ class Comm:
     the behaviour before issue 26). hpz: N of --reshard-after-forward-to (0: off). quantize: the
     parameter all-gathers' format, "none", "int8" or "fp8" (both one byte per element); block: B."""
 
-    def __init__(self, gloo_reduce_scatter="ring", hpz=0, quantize="none", block=256):
+    def __init__(self, gloo_reduce_scatter="ring", hpz=0, quantize="none", block=64):
         self.gloo_reduce_scatter, self.hpz, self.quantize, self.block = gloo_reduce_scatter, hpz, quantize, block
 
 

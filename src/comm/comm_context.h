@@ -113,7 +113,7 @@ class CommContext {
   std::vector<std::string> unit_names_;
   bool backward_pass_ = false;
   AllGatherQuantization quantization_ = AllGatherQuantization::NONE;
-  int quantization_block_ = 256;
+  int quantization_block_ = 64;
   QuantizationStats quantization_stats_;
   static constexpr uint64_t kHashSeed = 1469598103934665603ULL;
   std::array<uint64_t, 4> sequence_hash_{kHashSeed, kHashSeed, kHashSeed, kHashSeed};  // by Over

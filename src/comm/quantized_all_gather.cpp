@@ -36,7 +36,7 @@ at::Tensor dequantize_one(const at::Tensor& rec, AllGatherQuantization mode, con
 BlockStarts quantization_blocks(const std::vector<int64_t>& run_starts, int64_t numel, int block) {
   if (block < 1) {
     throw std::invalid_argument("fsdp: quantization_block=" + std::to_string(block) +
-                                " must be at least 1 (elements per scale; 256 is the default)");
+                                " must be at least 1 (elements per scale; 64 is the default)");
   }
   std::vector<int64_t> runs(run_starts.begin(), run_starts.end());
   runs.push_back(0);

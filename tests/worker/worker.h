@@ -56,7 +56,7 @@ struct Args {
   std::string hole;           // holes: which loop (holes.cpp)
   std::string path;           // checkpoint_hostile: the checkpoint (folder) it works on
   std::string quantize = "none";  // Options::quantize_all_gather (int8, fp8)
-  int quantize_block = 256;
+  int quantize_block = 64;
   int hpz = 0;                    // Options::reshard_after_forward_to
   std::string gloo_reduce_scatter = "ring";
 };
