@@ -57,6 +57,30 @@ TEST(Wire, HpzComputesExactlyWhatFullShardComputes) {
   }
 }
 
+// hpZ per unit (FSDP2's reshard_after_forward per fully_shard call): only blocks.0 keeps a
+// secondary shard, or every unit but blocks.1: the same losses as full_shard bit for bit, and
+// backward's all-gather bytes between none and all units' secondary gathers. A name that is no
+// unit is refused with the units' names.
+TEST(Wire, HpzPerUnitKeepsSecondaryShardsOnlyWhereAsked) {
+  const std::string common = "--model tiny --global-batch-size 12 --nproc-per-node 4 --strategy full_shard";
+  const auto base = main_job(common, 4);
+  const auto all = main_job(common + " --reshard-after-forward-to 2", 4);
+  const auto first = main_job(common + " --reshard-after-forward-to-unit blocks.0=2", 4);
+  const auto not_second = main_job(common + " --reshard-after-forward-to 2 --reshard-after-forward-to-unit blocks.1=0", 4);
+  for (size_t s = 0; s < base.losses.size(); ++s) {
+    EXPECT_EQ(first.losses[s], base.losses[s]) << "step " << s;
+    EXPECT_EQ(not_second.losses[s], base.losses[s]) << "step " << s;
+  }
+  auto ag = [](const fsdp_test::MainJob& j) { return j.last["comm_bytes"]["all_gather"].get<double>(); };
+  EXPECT_LT(ag(first), ag(base));
+  EXPECT_GT(ag(first), ag(all));
+  EXPECT_EQ(ag(first), ag(not_second));  // the two blocks have the same shapes
+  const auto bad = fsdp_test::sh(fsdp_test::fsdp_train() + " " + common + " --steps 1 --reshard-after-forward-to-unit block.7=2");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("reshard_after_forward_to_by_unit names 'block.7', which is no unit of this model; its units "
+                            "are"), std::string::npos) << bad.output;
+}
+
 // A group that is not a divisor of F, or a strategy that keeps parameters after forward, is refused
 // by name before anything runs.
 TEST(Wire, HpzThatCannotWorkIsRefusedByName) {
@@ -67,6 +91,18 @@ TEST(Wire, HpzThatCannotWorkIsRefusedByName) {
                                    " --model tiny --steps 1 --nproc-per-node 2 --strategy shard_grad_op --reshard-after-forward-to 1");
   EXPECT_NE(zero2.exit_code, 0);
   EXPECT_NE(zero2.output.find("keeps parameters gathered after forward"), std::string::npos) << zero2.output;
+}
+
+// hpZ's price is memory, and the memory plan knows it: the 1B GPT at W = 4 fits 7.5 GiB per rank
+// (plan: 6.51 GiB) but not with secondary shards of 2 ranks (plan: 8.23 GiB, 1.72 GiB of them); the
+// refusal comes before anything is built and says that dropping hpZ would fit.
+TEST(Wire, HpzOverTheBudgetIsRefusedWithTheWayOut) {
+  const std::string common = " --model 1b --nproc-per-node 4 --global-batch-size 4 --block-size 128 --steps 1 "
+                             "--max-memory-per-rank 7.5GiB --reshard-after-forward-to 2";
+  const auto run = fsdp_test::sh(fsdp_test::fsdp_train() + common, 120);
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("of which hpZ secondary shards"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("Would fit: without hpZ (reshard_after_forward_to = 0)"), std::string::npos) << run.output;
 }
 
 // The quantizer on its own: blocks inside parameters, every element within its bound, zero blocks

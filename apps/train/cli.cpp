@@ -55,6 +55,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "hpZ: after a unit's forward keep it sharded over groups of N consecutive ranks (1/N per rank) so "
                  "backward gathers within them; 0: off")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--reshard-after-forward-to-unit", c.reshard_after_forward_to_unit,
+                 "UNIT=N: hpZ for one unit (its module path, e.g. blocks.0) instead of the default; N = 0 frees it "
+                 "fully after forward; repeatable");
   app.add_flag_callback("--hpz", [&c] { c.reshard_after_forward_to = fsdp::Options::kRanksPerNode; },
                         "hpZ with N = the ranks per node: backward's all-gathers never cross hosts");
   app.add_option("--quantize-all-gather", c.quantize_all_gather,
@@ -166,6 +169,20 @@ fsdp::Options fsdp_options(const Config& c) {
   opts.limit_all_gathers = c.limit_all_gathers;
   opts.gloo_reduce_scatter = fsdp::parse_gloo_reduce_scatter(c.gloo_reduce_scatter);
   opts.reshard_after_forward_to = c.reshard_after_forward_to;
+  for (const auto& item : c.reshard_after_forward_to_unit) {
+    const auto eq = item.rfind('=');
+    int n = -2;
+    try {
+      if (eq != std::string::npos) n = std::stoi(item.substr(eq + 1));
+    } catch (const std::exception&) {
+      n = -2;
+    }
+    if (eq == std::string::npos || n < 0) {
+      throw std::invalid_argument("--reshard-after-forward-to-unit wants UNIT=N with N >= 0 (e.g. blocks.0=2), got '" +
+                                  item + "'");
+    }
+    opts.reshard_after_forward_to_by_unit[item.substr(0, eq)] = n;
+  }
   opts.quantize_all_gather = fsdp::parse_all_gather_quantization(c.quantize_all_gather);
   opts.quantization_block = c.quantization_block;
   opts.sync_module_states = c.sync_module_states;

@@ -41,6 +41,7 @@ struct Config {
   int limit_all_gathers = 2;
   std::string gloo_reduce_scatter = "ring";  // or all_reduce (Gloo's own: twice the bytes)
   int reshard_after_forward_to = 0;          // hpZ; -1 (--hpz): the ranks per node
+  std::vector<std::string> reshard_after_forward_to_unit;  // UNIT=N overrides
   std::string quantize_all_gather = "none";  // qwZ: int8 or fp8
   int quantization_block = 64;
   std::string trace_dir;     // write each rank's Chrome trace of step `trace_step` here

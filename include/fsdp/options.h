@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <memory>
 #include <string>
@@ -187,6 +188,10 @@ struct Options {
   // secondary shards.
   static constexpr int kRanksPerNode = -1;
   int reshard_after_forward_to = 0;
+  // Per unit, by its module path (UnitInfo::name), what it reshards to after forward instead:
+  // 0 frees it to its shard (no secondary shard: a large embedding whose 1/N would cost too much),
+  // N or kRanksPerNode as above. A name that is no unit is refused with the units' names.
+  std::map<std::string, int> reshard_after_forward_to_by_unit;
   AllGatherQuantization quantize_all_gather = AllGatherQuantization::NONE;
   // Elements per scale. 64: 300 steps of the default GPT end within 0.4 % of fp32 all-gathers
   // (256: 1.1 %) for 1/16 byte of scale per element (docs/performance.md, "Less on the wire").

@@ -43,10 +43,10 @@ std::string CommContext::unit_name(int unit) const {
 }
 
 InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what,
-                            const std::function<Buffers()>& prepare, const InFlight* after) {
+                            const std::function<Buffers()>& prepare, const InFlight* after, int secondary) {
   const GroupPtr& group = over == Over::SHARD_GROUP ? mesh_.shard_group
                           : over == Over::REPLICAS  ? mesh_.replicate_group
-                          : over == Over::SECONDARY ? mesh_.secondary_group
+                          : over == Over::SECONDARY ? mesh_.secondary_groups.at(secondary)
                                                     : mesh_.world_group;
   // The world group takes CPU tensors (Gloo) whatever the device: no stream there.
   std::optional<CommStreams::Issue> on_stream;

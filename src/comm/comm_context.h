@@ -84,8 +84,9 @@ class CommContext {
   // Issues `kind` over `over` for `unit` (-1: not about one unit), moving `what` (a string
   // literal naming the payload for errors). `after` (CUDA): a collective this one must follow on
   // the device (the all-reduce of a reduce-scatter's output).
+  // `secondary`: with Over::SECONDARY, the hpZ group's size N (MeshInfo::secondary_groups).
   InFlight issue(CommKind kind, Over over, int unit, const char* what, const std::function<Buffers()>& prepare,
-                 const InFlight* after = nullptr);
+                 const InFlight* after = nullptr, int secondary = 0);
   // Waits where the result is consumed: on CPU the calling thread blocks; on CUDA the current
   // stream waits on the device and the CPU does not. Records the completion and any blocking
   // wait in the timeline; returns the nanoseconds the calling thread was blocked. A failure

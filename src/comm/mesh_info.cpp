@@ -1,5 +1,6 @@
 #include "comm/mesh_info.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -40,23 +41,43 @@ bool reshards_after_forward(ShardingStrategy strategy) {
   return strategy == ShardingStrategy::FULL_SHARD || strategy == ShardingStrategy::HYBRID_SHARD;
 }
 
-int secondary_shard_size(const Options& options, int F, int local_world_size) {
-  const int N = options.reshard_after_forward_to == Options::kRanksPerNode ? local_world_size
-                                                                            : options.reshard_after_forward_to;
-  if (options.reshard_after_forward_to == 0) return 0;
+namespace {
+int resolve_secondary_size(int requested, const Options& options, int F, int local_world_size, const std::string& where) {
+  if (requested == 0) return 0;
+  const int N = requested == Options::kRanksPerNode ? local_world_size : requested;
   if (!reshards_after_forward(options.strategy)) {
-    throw std::invalid_argument("fsdp: reshard_after_forward_to=" + std::to_string(N) + " with " +
-                                to_string(options.strategy) + ", which keeps parameters gathered after forward: "
-                                "use full_shard or hybrid_shard, or drop reshard_after_forward_to");
+    throw std::invalid_argument("fsdp: " + where + "=" + std::to_string(N) + " with " + to_string(options.strategy) +
+                                ", which keeps parameters gathered after forward: use full_shard or hybrid_shard, or "
+                                "drop " + where);
   }
   if (N < 1 || N >= F || F % N != 0) {
-    throw std::invalid_argument("fsdp: reshard_after_forward_to=" + std::to_string(N) +
-                                " must divide the sharding factor F=" + std::to_string(F) +
+    throw std::invalid_argument("fsdp: " + where + "=" + std::to_string(N) + " must divide the sharding factor F=" +
+                                std::to_string(F) +
                                 " and be smaller (typically the ranks per host, so that backward's all-gather stays "
                                 "inside a host; a hybrid strategy sharding within a host gathers inside it already); "
                                 "0 turns it off");
   }
   return N;
+}
+}  // namespace
+
+int secondary_shard_size(const Options& options, const std::string& unit, int F, int local_world_size) {
+  const auto it = options.reshard_after_forward_to_by_unit.find(unit);
+  if (it != options.reshard_after_forward_to_by_unit.end()) {
+    return resolve_secondary_size(it->second, options, F, local_world_size,
+                                  "reshard_after_forward_to_by_unit['" + unit + "']");
+  }
+  return resolve_secondary_size(options.reshard_after_forward_to, options, F, local_world_size, "reshard_after_forward_to");
+}
+
+void check_unit_names_for_hpz(const Options& options, const std::vector<std::string>& units) {
+  for (const auto& [name, n] : options.reshard_after_forward_to_by_unit) {
+    if (std::find(units.begin(), units.end(), name) != units.end()) continue;
+    std::string known;
+    for (const auto& u : units) known += (known.empty() ? "'" : ", '") + u + "'";
+    throw std::invalid_argument("fsdp: reshard_after_forward_to_by_unit names '" + name +
+                                "', which is no unit of this model; its units are " + known);
+  }
 }
 
 MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType device) {
@@ -75,10 +96,15 @@ MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType devi
       RingReduceScatter::supports(info.shard_group)) {
     info.shard_ring = state.ring_for(info.shard_group);
   }
-  info.secondary_size = secondary_shard_size(options, info.shard_size, mesh.env().local_world_size);
-  if (info.secondary_size > 0) {
-    info.secondary_rank = info.shard_rank % info.secondary_size;
-    info.secondary_group = state.consecutive_group(info.secondary_size, device);
+  // Every N the options may use, in increasing order on every rank (groups are built collectively).
+  std::vector<int> sizes{resolve_secondary_size(options.reshard_after_forward_to, options, info.shard_size,
+                                                mesh.env().local_world_size, "reshard_after_forward_to")};
+  for (const auto& [unit, n] : options.reshard_after_forward_to_by_unit) {
+    sizes.push_back(secondary_shard_size(options, unit, info.shard_size, mesh.env().local_world_size));
+  }
+  std::sort(sizes.begin(), sizes.end());
+  for (int N : sizes) {
+    if (N > 0 && !info.secondary_groups.count(N)) info.secondary_groups.emplace(N, state.consecutive_group(N, device));
   }
   return info;
 }

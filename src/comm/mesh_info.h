@@ -6,7 +6,10 @@
 
 #include <c10/core/DeviceType.h>
 
+#include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "comm/collectives.h"
 #include "comm/ring_reduce_scatter.h"
@@ -26,11 +29,10 @@ struct MeshInfo {
   GroupPtr world_group;      // all W ranks, CPU tensors: cross-rank checks
   // The shard group's ring reduce-scatter (Gloo with GlooReduceScatter::RING; null otherwise).
   std::shared_ptr<RingReduceScatter> shard_ring;
-  // hpZ (Options::reshard_after_forward_to): N consecutive ranks, a subgroup of the shard group,
-  // over which backward gathers a unit from the secondary shards forward left; 0 when off.
-  int secondary_size = 0;
-  int secondary_rank = 0;    // this rank's place in it: which 1/N of a unit it keeps
-  GroupPtr secondary_group;
+  // hpZ (Options::reshard_after_forward_to and its per-unit choices): for each N in use, the N
+  // consecutive ranks (a subgroup of the shard group) over which backward gathers a unit from the
+  // secondary shards forward left. This rank keeps part shard_rank % N of such a unit.
+  std::map<int, GroupPtr> secondary_groups;
 };
 
 // F for `options` on W ranks with `local_world_size` ranks per node: W for FULL_SHARD and
@@ -41,10 +43,15 @@ int sharding_factor(const Options& options, int world_size, int local_world_size
 // FULL_SHARD and HYBRID_SHARD free parameters after forward; the ZeRO-2 strategies keep them.
 bool reshards_after_forward(ShardingStrategy strategy);
 
-// The hpZ group size `options` ask for with F-way sharding and `local_world_size` ranks per node:
-// 0 (off) or N, 1 <= N < F, N | F. Throws std::invalid_argument naming what is wrong and what
-// would work.
-int secondary_shard_size(const Options& options, int F, int local_world_size);
+// The hpZ group size `options` ask for unit `unit` (its module path; Options::
+// reshard_after_forward_to_by_unit, else reshard_after_forward_to) with F-way sharding and
+// `local_world_size` ranks per node: 0 (off) or N, 1 <= N < F, N | F. Throws
+// std::invalid_argument naming what is wrong and what would work.
+int secondary_shard_size(const Options& options, const std::string& unit, int F, int local_world_size);
+
+// Refuses (std::invalid_argument) names in Options::reshard_after_forward_to_by_unit that are not
+// among `units`, listing them.
+void check_unit_names_for_hpz(const Options& options, const std::vector<std::string>& units);
 
 // Builds (collectively) the groups for the options' F on `mesh`, for tensors of `device`.
 MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType device);

@@ -180,7 +180,7 @@ WorkPtr FlatParamHandle::begin_unshard() {
     }
     shard_cast_ = dtypes_.casts() ? shard_.to(dtypes_.compute) : shard_;
     return Buffers{full_, shard_cast_};
-  });
+  }, nullptr, from_secondary ? secondary_size_ : 0);
   state_ = HandleState::GATHERING;
   return gather_.work;
 }
@@ -203,7 +203,7 @@ int64_t FlatParamHandle::finish_unshard() {
 
 void FlatParamHandle::reshard(bool keep_secondary) {
   if (state_ == HandleState::GATHERING) finish_unshard();
-  const int N = comm_.mesh().secondary_size;
+  const int N = secondary_size_;
   if (!keep_secondary || N == 0) {
     secondary_ = at::Tensor();
   } else if (state_ == HandleState::UNSHARDED && separate_buffer_) {
@@ -211,7 +211,7 @@ void FlatParamHandle::reshard(bool keep_secondary) {
     // the N parts in group order, which is what backward's all-gather over them reassembles.
     at::NoGradGuard no_grad;
     const int64_t part = layout_.padded_numel() / N;
-    secondary_ = full_.narrow(0, comm_.mesh().secondary_rank * part, part).clone();
+    secondary_ = full_.narrow(0, (comm_.mesh().shard_rank % N) * part, part).clone();
   }
   if (state_ == HandleState::SHARDED) return;
   if (separate_buffer_) {

@@ -19,7 +19,7 @@
 // Two ways of gathering move fewer bytes (issue 26), both invisible to the states above:
 //   quantized   (CommContext::param_quantization) the all-gather moves each rank's shard quantized
 //               (quantized_all_gather.h) and finish_unshard dequantizes into the unsharded buffer
-//   secondary   (hpZ, MeshInfo::secondary_size N) reshard(keep_secondary) after forward keeps 1/N
+//   secondary   (hpZ, set_secondary_size N) reshard(keep_secondary) after forward keeps 1/N
 //               of the gathered unit, in the compute dtype, and the next begin_unshard (backward's)
 //               gathers from those over the N-rank group instead of from the shards over F;
 //               any other reshard (after backward, at the end of an iteration) lets it go. Backward
@@ -92,6 +92,9 @@ class FlatParamHandle {
   // a secondary shard kept earlier goes too.
   void reshard(bool keep_secondary = false);
   bool has_secondary() const { return secondary_.defined(); }
+  // hpZ: this unit's secondary group size N (0: none; the wrapper sets it from the options).
+  void set_secondary_size(int n) { secondary_size_ = n; }
+  int secondary_size() const { return secondary_size_; }
   // summon_full_params: the whole parameters in the master dtype, in a buffer of their own (not
   // the compute one: values must round-trip exactly). `keep` false: gather, then let go at once
   // (the ranks other than 0 under rank0_only). end_summon copies this rank's part back into the
@@ -140,6 +143,7 @@ class FlatParamHandle {
   std::vector<BlockStarts> quant_blocks_; // quantized: each shard rank's blocks
   at::Tensor record_;                     // quantized: this rank's record, read by the all-gather
   at::Tensor records_;                    // quantized: every rank's records, written by it
+  int secondary_size_ = 0;                // hpZ: N, 0 when off for this unit
   at::Tensor secondary_;                  // hpZ: [padded_numel / N] of full_, kept from forward for backward
   at::Tensor summoned_;                   // [padded_numel] master dtype, inside summon_full_params
 };

@@ -148,6 +148,11 @@ std::string explain_over_budget(torch::nn::Module& model, const MemoryPlan& plan
     tries.push_back({"bf16 mixed precision", o});
     if (options.strategy != ShardingStrategy::FULL_SHARD) tries.push_back({"full_shard with bf16 mixed precision", with(ShardingStrategy::FULL_SHARD, true)});
   }
+  if (options.reshard_after_forward_to != 0) {
+    Options o = options;
+    o.reshard_after_forward_to = 0;  // hpZ's secondary shards are what it costs
+    tries.insert(tries.begin(), {"without hpZ (reshard_after_forward_to = 0)", o});
+  }
   bool any = false;
   for (const Try& t : tries) {
     MemoryPlan p = plan_memory(model, W, t.o, local_world_size);

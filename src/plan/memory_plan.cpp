@@ -21,6 +21,11 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   const int F = plan.shard_size;
   const IgnoredSet ignored = ignored_tensors(model, options);
   const auto units = decompose(model, options.auto_wrap_policy, ignored);
+  {
+    std::vector<std::string> names;
+    for (const auto& u : units) names.push_back(u.name);
+    check_unit_names_for_hpz(options, names);
+  }
   IgnoredSet counted;  // a tied parameter once
   for (const auto& p : model.parameters(true)) {
     if (!ignored.count(p.unsafeGetTensorImpl()) || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
@@ -31,7 +36,6 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   // What a gather in flight holds besides the unit's buffer: Gloo's staging copy of its output, or
   // with quantization the records (and their staging copy) instead, per non-root unit.
   std::vector<int64_t> nonroot_staging;
-  const int N = secondary_shard_size(options, F, local_world_size);  // hpZ: 0 when off
   int64_t root_bytes = 0, all_unsharded = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0, root_compute_bytes = 0;
   int64_t largest_shard_reduce_bytes = 0;
   // Where the shards will live decides the backend, and with it what a reduce-scatter holds.
@@ -76,6 +80,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
       // Gloo's staging copy of its output; quantized, the records it gathers into (and on the CPU
       // their staging copy) instead. With hpZ backward gathers the secondary shards, unquantized.
       const bool cpu = device == c10::kCPU;
+      const int N = secondary_shard_size(options, u.name, F, local_world_size);  // hpZ: 0 when off
       int64_t staging = cpu ? gathered : 0;
       if (options.quantize_all_gather != AllGatherQuantization::NONE && N == 0 && F > 1 && at::isFloatingType(compute)) {
         staging = (cpu ? 2 : 1) * F * quantization_layout(layout, options.quantization_block).bytes();

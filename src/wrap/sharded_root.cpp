@@ -27,6 +27,11 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   const int F = sharding_factor(options_, mesh_->world_size(), mesh_->env().local_world_size);
   ignored_ = ignored_tensors(*module_, options_);
   std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy, ignored_);
+  {
+    std::vector<std::string> names;
+    for (const auto& p : plans) names.push_back(p.name);
+    check_unit_names_for_hpz(options_, names);
+  }
 
   // Every rank must cut the same model the same way: compared before the first collective on
   // parameters.
@@ -63,8 +68,11 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   std::vector<Unit*> units;
   for (size_t u = 0; u < plans.size(); ++u) {
     names.push_back(plans[u].name);
+    const std::string name = plans[u].name;
     units_.push_back(std::make_unique<Unit>(static_cast<int>(u), std::move(plans[u]), *comm_,
                                             options_.mixed_precision, options_.init_device));
+    units_.back()->handle().set_secondary_size(
+        secondary_shard_size(options_, name, comm_->mesh().shard_size, mesh_->env().local_world_size));
     units.push_back(units_.back().get());
   }
   comm_->set_unit_names(std::move(names));
