@@ -74,8 +74,8 @@ class CommContext {
   // NONE, or quantized in blocks of `block` elements. Throws std::invalid_argument for a bad block.
   void set_param_quantization(AllGatherQuantization mode, int block);
   AllGatherQuantization param_quantization() const { return quantization_; }
-  QuantizationStats& quantization_stats() { return quantization_stats_; }
-  const QuantizationStats& quantization_stats() const { return quantization_stats_; }
+  QuantizationTally& quantization_tally() { return quantization_tally_; }
+  const QuantizationTally& quantization_tally() const { return quantization_tally_; }
   int quantization_block() const { return quantization_block_; }
   // Which pass spans are labeled with (the runtime flips it when backward starts and ends).
   void set_backward_pass(bool on) { backward_pass_ = on; }
@@ -115,7 +115,7 @@ class CommContext {
   bool backward_pass_ = false;
   AllGatherQuantization quantization_ = AllGatherQuantization::NONE;
   int quantization_block_ = 64;
-  QuantizationStats quantization_stats_;
+  QuantizationTally quantization_tally_;
   static constexpr uint64_t kHashSeed = 1469598103934665603ULL;
   std::array<uint64_t, 4> sequence_hash_{kHashSeed, kHashSeed, kHashSeed, kHashSeed};  // by Over
 };

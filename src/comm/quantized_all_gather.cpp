@@ -86,15 +86,24 @@ void dequantize_records(at::Tensor out, const at::Tensor& gathered, AllGatherQua
   }
 }
 
-void measure_quantization(const at::Tensor& shard, const at::Tensor& record, AllGatherQuantization mode,
-                          const QuantizedRecord& layout, const BlockStarts& blocks, QuantizationStats& stats) {
+void QuantizationTally::measure(const at::Tensor& shard, const at::Tensor& record, AllGatherQuantization mode,
+                                const QuantizedRecord& layout, const BlockStarts& blocks) {
   at::NoGradGuard no_grad;
-  stats.quantized_gathers += 1;
+  gathers_ += 1;
   if (layout.numel == 0) return;
   const at::Tensor master = shard.reshape(-1).to(at::kFloat);
-  const at::Tensor back = dequantize_one(record, mode, layout, blocks);
-  stats.max_abs_error = std::max(stats.max_abs_error, back.sub_(master).abs_().max().item<double>());
-  stats.max_abs_weight = std::max(stats.max_abs_weight, master.abs().max().item<double>());
+  const at::Tensor error = dequantize_one(record, mode, layout, blocks).sub_(master).abs_().max();
+  const at::Tensor weight = master.abs().max();
+  max_error_ = max_error_.defined() ? at::maximum(max_error_, error) : error;
+  max_weight_ = max_weight_.defined() ? at::maximum(max_weight_, weight) : weight;
+}
+
+QuantizationStats QuantizationTally::read() const {
+  QuantizationStats stats;
+  stats.quantized_gathers = gathers_;
+  if (max_error_.defined()) stats.max_abs_error = max_error_.item<double>();
+  if (max_weight_.defined()) stats.max_abs_weight = max_weight_.item<double>();
+  return stats;
 }
 
 }  // namespace fsdp

@@ -57,8 +57,18 @@ at::Tensor quantize_shard(const at::Tensor& shard, AllGatherQuantization mode, c
 void dequantize_records(at::Tensor out, const at::Tensor& gathered, AllGatherQuantization mode,
                         const QuantizedRecord& record, const std::vector<BlockStarts>& blocks);
 
-// Adds what `record` (quantize_shard's of `shard`) loses to `stats`: its largest error and |shard|.
-void measure_quantization(const at::Tensor& shard, const at::Tensor& record, AllGatherQuantization mode,
-                          const QuantizedRecord& layout, const BlockStarts& blocks, QuantizationStats& stats);
+// What quantized all-gathers lost since the last reset, kept as 0-d tensors on the shards' device
+// and read (one sync) only when someone asks: measuring must not stall every gather on CUDA.
+class QuantizationTally {
+ public:
+  // Adds what `record` (quantize_shard's of `shard`) loses: its largest error and |shard|.
+  void measure(const at::Tensor& shard, const at::Tensor& record, AllGatherQuantization mode,
+               const QuantizedRecord& layout, const BlockStarts& blocks);
+  QuantizationStats read() const;
+
+ private:
+  int64_t gathers_ = 0;
+  at::Tensor max_error_, max_weight_;
+};
 
 }  // namespace fsdp

@@ -174,7 +174,7 @@ WorkPtr FlatParamHandle::begin_unshard() {
       if (quant_blocks_.empty()) quant_record_ = quantization_layout(layout_, comm_.quantization_block(), &quant_blocks_);
       const BlockStarts& mine = quant_blocks_[static_cast<size_t>(comm_.mesh().shard_rank)];
       record_ = quantize_shard(shard_, comm_.param_quantization(), quant_record_, mine);
-      measure_quantization(shard_, record_, comm_.param_quantization(), quant_record_, mine, comm_.quantization_stats());
+      comm_.quantization_tally().measure(shard_, record_, comm_.param_quantization(), quant_record_, mine);
       records_ = at::empty({comm_.mesh().shard_size * quant_record_.bytes()}, record_.options());
       return Buffers{records_, record_};
     }

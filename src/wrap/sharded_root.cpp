@@ -138,7 +138,7 @@ Metrics ShardedRoot::metrics() const {
   Metrics m;
   m.step = step_;
   m.comm = comm_->bytes();
-  m.quantization = comm_->quantization_stats();
+  m.quantization = comm_->quantization_tally().read();
   m.memory = runtime_->memory();
   m.overlap = runtime_->overlap();
   m.detection = runtime_->detection();
@@ -151,7 +151,7 @@ Metrics ShardedRoot::metrics() const {
 
 void ShardedRoot::reset_step() {
   comm_->bytes() = CommBytes{};
-  comm_->quantization_stats() = QuantizationStats{};
+  comm_->quantization_tally() = QuantizationTally{};
   runtime_->reset_step();
   comm_->timeline().clear();
   reset_device_peaks(device_);
