@@ -1,6 +1,7 @@
 #include "models/gpt.h"
 
 #include "fsdp/activation_checkpoint.h"
+#include "fsdp/tensor_parallel.h"
 
 #include <cmath>
 #include <limits>
@@ -85,15 +86,21 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-  const int64_t hd = C / n_head;
-  auto parts = qkv(x).chunk(3, /*dim=*/-1);
+  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t hd = x.size(2) / n_head;
+  // qkv is column-parallel under tensor parallelism (gpt_tensor_parallel_plan): each rank holds its
+  // heads' rows of q, k and v, so C is this rank's share of d_model and H its heads.
+  const torch::Tensor qkv_out = fsdp::column_parallel(qkv, x);
+  const int64_t C = qkv_out.size(-1) / 3, H = C / hd;
+  TORCH_CHECK(H * hd == C && H > 0, "GPT: tensor parallelism splits a head (", C, " of the ", x.size(2),
+              " features per rank, heads of ", hd, "): the TP size must divide n_head (", n_head, ")");
+  auto parts = qkv_out.chunk(3, /*dim=*/-1);
   // [B, T, C] -> [B, H, T, hd]
-  auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, n_head, hd}).transpose(1, 2); };
+  auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, H, hd}).transpose(1, 2); };
   auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
   if (fused) {
     auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-    return proj(y.transpose(1, 2).reshape({B, T, C}));
+    return fsdp::row_parallel(proj, y.transpose(1, 2).reshape({B, T, C}));
   }
 
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
@@ -104,7 +111,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   att = torch::softmax(att, /*dim=*/-1);
   auto y = torch::matmul(att, v);                  // [B, H, T, hd]
   y = y.transpose(1, 2).reshape({B, T, C});        // reshape copies: y is non-contiguous here
-  return proj(y);
+  return fsdp::row_parallel(proj, y);
 }
 
 MLPImpl::MLPImpl(int64_t d_model) {
@@ -112,7 +119,9 @@ MLPImpl::MLPImpl(int64_t d_model) {
   proj = register_module("proj", torch::nn::Linear(4 * d_model, d_model));
 }
 
-torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return proj(torch::gelu(fc(x))); }
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  return fsdp::row_parallel(proj, torch::gelu(fsdp::column_parallel(fc, x)));
+}
 
 BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention, double dropout_) : dropout(dropout_) {
   TORCH_CHECK(dropout >= 0 && dropout < 1, "GPT dropout must be in [0, 1), got ", dropout);
@@ -134,7 +143,8 @@ TiedLMHeadImpl::TiedLMHeadImpl(torch::Tensor tied_weight) {
   weight = register_parameter("weight", tied_weight, /*requires_grad=*/tied_weight.requires_grad());
 }
 
-torch::Tensor TiedLMHeadImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+// Column-parallel over the vocabulary when the tied embedding is split by rows.
+torch::Tensor TiedLMHeadImpl::forward(const torch::Tensor& x) { return fsdp::column_parallel(x, weight); }
 
 // ---------------------------------------------------------------------------------------------
 // GPT
@@ -187,13 +197,28 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   TORCH_CHECK(T <= cfg.block_size, "sequence length ", T, " exceeds block_size ", cfg.block_size);
   auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-  auto x = tok_emb(idx) + pos_emb(pos);  // [B, T, d] + [T, d]
+  // A vocabulary-parallel lookup when the plan split tok_emb (tok_emb(idx) otherwise).
+  auto x = fsdp::vocab_parallel_embedding(idx, tok_emb->weight) + pos_emb(pos);  // [B, T, d] + [T, d]
   for (size_t i = 0; i < blocks->size(); ++i) {
     BlockImpl* block = blocks[i]->as<BlockImpl>();
     // Recomputed in backward when fsdp::apply_activation_checkpointing marked the block.
     x = fsdp::checkpointable(*block, [block](const torch::Tensor& h) { return block->forward(h); }, x);
   }
   return head(ln_f(x));
+}
+
+torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  return fsdp::vocab_parallel_cross_entropy(logits, targets, tok_emb->weight);
+}
+
+torch::Tensor GPTImpl::whole_logits(const torch::Tensor& logits) const { return fsdp::gather_last_dim(logits, tok_emb->weight); }
+
+std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan() {
+  std::vector<fsdp::TensorParallelRule> plan = {{"tok_emb.weight", {0, 1}}};  // the tied head with it
+  for (const auto& rules : {fsdp::column_parallel_rule("blocks.*.attn.qkv", /*parts=*/3), fsdp::row_parallel_rule("blocks.*.attn.proj"),
+                            fsdp::column_parallel_rule("blocks.*.mlp.fc"), fsdp::row_parallel_rule("blocks.*.mlp.proj")})
+    plan.insert(plan.end(), rules.begin(), rules.end());
+  return plan;
 }
 
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {

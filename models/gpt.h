@@ -1,9 +1,13 @@
 // GPT-style decoder and a small irregular MLP, written the ordinary libtorch way (typed members,
-// TORCH_MODULE holders). Nothing here knows about sharding or distribution; the blocks may be
-// checkpointed (fsdp/activation_checkpoint.h, plain libtorch autograd).
+// TORCH_MODULE holders). Nothing here knows about fsdp's sharding; the blocks may be checkpointed
+// (fsdp/activation_checkpoint.h, plain libtorch autograd), and the GPT trains tensor-parallel
+// after gpt_tensor_parallel_plan is applied (its forward calls its linear layers through
+// fsdp::column_parallel / row_parallel, which are plain calls otherwise).
 #pragma once
 
 #include <torch/torch.h>
+
+#include "fsdp/tensor_parallel.h"
 
 #include <cstdint>
 #include <string>
@@ -87,8 +91,14 @@ struct GPTImpl : torch::nn::Module {
   // Parameters are initialized deterministically from the global torch RNG: call
   // torch::manual_seed(...) before constructing to get reproducible weights.
   explicit GPTImpl(const GPTConfig& cfg);
-  // idx: int64 [B, T] with T <= block_size -> logits [B, T, vocab_size]
+  // idx: int64 [B, T] with T <= block_size -> logits [B, T, vocab_size] (under tensor
+  // parallelism [B, T, vocab_size / TP]: this rank's classes).
   torch::Tensor forward(const torch::Tensor& idx);
+  // The mean cross entropy of forward()'s logits: lm_loss, or its vocabulary-parallel form when
+  // the plan split the vocabulary (no rank gathers the whole logits).
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
+  // forward()'s logits with every class (gathered over the TP group; evaluation only).
+  torch::Tensor whole_logits(const torch::Tensor& logits) const;
 
   GPTConfig cfg;
   // Registration order (and hence named_parameters() order) is the declaration order below.
@@ -98,6 +108,13 @@ struct GPTImpl : torch::nn::Module {
   TiedLMHead head{nullptr};
 };
 TORCH_MODULE(GPT);
+
+// Tensor parallelism for GPT (fsdp::parallelize after construction): the vocabulary (embedding
+// and tied head) split by rows; q/k/v by heads and the MLP's first layer by features
+// (column-parallel); the attention's and MLP's output projections by input features
+// (row-parallel). LayerNorms, biases of row-parallel layers and the position embedding replicated.
+// The TP size must divide n_head and vocab_size.
+std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan();
 
 // Mean cross entropy over all positions. logits [B, T, V], targets int64 [B, T].
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets);

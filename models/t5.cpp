@@ -1,5 +1,7 @@
 #include "models/t5.h"
 
+#include "fsdp/tensor_parallel.h"
+
 #include "fsdp/activation_checkpoint.h"
 
 #include <algorithm>
@@ -122,14 +124,20 @@ torch::Tensor T5AttentionImpl::position_bias(int64_t Tq, int64_t Tk, c10::Device
 
 torch::Tensor T5AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& kv, const torch::Tensor& bias) {
   const int64_t B = x.size(0), Tq = x.size(1), Tk = kv.size(1);
-  auto heads = [&](const torch::Tensor& t, int64_t T) { return t.reshape({B, T, n_head, d_kv}).transpose(1, 2); };
-  const torch::Tensor qh = heads(q(x), Tq), kh = heads(k(kv), Tk), vh = heads(v(kv), Tk);
+  // q, k and v are column-parallel under tensor parallelism (t5_tensor_parallel_plan): H is this
+  // rank's heads; o is row-parallel.
+  const torch::Tensor qx = fsdp::column_parallel(q, x);
+  const int64_t H = qx.size(-1) / d_kv;
+  TORCH_CHECK(H * d_kv == qx.size(-1) && H > 0, "T5: tensor parallelism splits a head: the TP size must divide n_head (",
+              n_head, ")");
+  auto heads = [&](const torch::Tensor& t, int64_t T) { return t.reshape({B, T, H, d_kv}).transpose(1, 2); };
+  const torch::Tensor qh = heads(qx, Tq), kh = heads(fsdp::column_parallel(k, kv), Tk), vh = heads(fsdp::column_parallel(v, kv), Tk);
   std::optional<torch::Tensor> mask;
   if (bias.defined()) mask = bias.to(qh.scalar_type());
   // T5 does not scale its scores (the 1/sqrt(d_kv) is folded into its initialization).
   const torch::Tensor y = at::scaled_dot_product_attention(qh, kh, vh, mask, /*dropout_p=*/0.0, /*is_causal=*/false,
                                                            /*scale=*/1.0);
-  return o(y.transpose(1, 2).reshape({B, Tq, n_head * d_kv}));
+  return fsdp::row_parallel(o, y.transpose(1, 2).reshape({B, Tq, H * d_kv}));
 }
 
 T5FeedForwardImpl::T5FeedForwardImpl(const T5Config& c) {
@@ -138,7 +146,9 @@ T5FeedForwardImpl::T5FeedForwardImpl(const T5Config& c) {
   drop = register_module("drop", torch::nn::Dropout(c.dropout));
 }
 
-torch::Tensor T5FeedForwardImpl::forward(const torch::Tensor& x) { return wo(drop(torch::relu(wi(x)))); }
+torch::Tensor T5FeedForwardImpl::forward(const torch::Tensor& x) {
+  return fsdp::row_parallel(wo, drop(torch::relu(fsdp::column_parallel(wi, x))));
+}
 
 T5EncoderBlockImpl::T5EncoderBlockImpl(const T5Config& c, bool first) {
   ln_attn = register_module("ln_attn", T5Norm(c.d_model));
@@ -207,7 +217,7 @@ T5Impl::T5Impl(const T5Config& c) : cfg(c) {
 torch::Tensor T5Impl::forward(const torch::Tensor& src, const torch::Tensor& tgt_in) {
   TORCH_CHECK(src.dim() == 2 && tgt_in.dim() == 2, "T5 expects src [B, Ts] and tgt_in [B, Tt]");
   const c10::Device dev = src.device();
-  torch::Tensor x = shared(src);
+  torch::Tensor x = fsdp::vocab_parallel_embedding(src, shared->weight);  // shared(src) when not split
   const torch::Tensor enc_bias = encoder[0]->as<T5EncoderBlockImpl>()->attn->position_bias(src.size(1), src.size(1), dev);
   // Each block through fsdp::checkpointable: recomputed in backward when marked
   // (--activation-checkpointing), called plainly otherwise. The lambdas hold the blocks by value:
@@ -219,7 +229,7 @@ torch::Tensor T5Impl::forward(const torch::Tensor& src, const torch::Tensor& tgt
         {x, enc_bias})[0];
   }
   const torch::Tensor memory = enc_norm(x);
-  torch::Tensor y = shared(tgt_in);
+  torch::Tensor y = fsdp::vocab_parallel_embedding(tgt_in, shared->weight);
   const torch::Tensor dec_bias =
       decoder[0]->as<T5DecoderBlockImpl>()->self_attn->position_bias(tgt_in.size(1), tgt_in.size(1), dev);
   for (size_t i = 0; i < decoder->size(); ++i) {
@@ -230,7 +240,20 @@ torch::Tensor T5Impl::forward(const torch::Tensor& src, const torch::Tensor& tgt
         {y, memory, dec_bias})[0];
   }
   // The tied output projection, scaled as T5 v1.0 scales it.
-  return torch::linear(dec_norm(y) * (1.0 / std::sqrt(static_cast<double>(cfg.d_model))), shared->weight);
+  return fsdp::column_parallel(dec_norm(y) * (1.0 / std::sqrt(static_cast<double>(cfg.d_model))), shared->weight);
+}
+
+torch::Tensor T5Impl::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  return fsdp::vocab_parallel_cross_entropy(logits, targets, shared->weight);
+}
+
+std::vector<fsdp::TensorParallelRule> t5_tensor_parallel_plan() {
+  std::vector<fsdp::TensorParallelRule> plan = {{"shared.weight", {0, 1}}, {"**.relative_attention_bias.weight", {1, 1}}};
+  for (const auto& rules : {fsdp::column_parallel_rule("**.q", 1, false), fsdp::column_parallel_rule("**.k", 1, false),
+                            fsdp::column_parallel_rule("**.v", 1, false), fsdp::row_parallel_rule("**.o"),
+                            fsdp::column_parallel_rule("**.wi", 1, false), fsdp::row_parallel_rule("**.wo")})
+    plan.insert(plan.end(), rules.begin(), rules.end());
+  return plan;
 }
 
 std::pair<torch::Tensor, torch::Tensor> t5_reverse_task(const torch::Tensor& src) {

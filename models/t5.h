@@ -10,6 +10,8 @@
 
 #include <torch/torch.h>
 
+#include "fsdp/tensor_parallel.h"
+
 #include <cstdint>
 #include <string>
 
@@ -97,6 +99,8 @@ struct T5Impl : torch::nn::Module {
   // src: int64 [B, Ts], tgt_in: int64 [B, Tt] (the decoder's input: targets shifted right)
   // -> logits [B, Tt, vocab].
   torch::Tensor forward(const torch::Tensor& src, const torch::Tensor& tgt_in);
+  // The mean cross entropy of forward()'s logits (vocabulary-parallel when the plan split it).
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
 
   T5Config cfg;
   torch::nn::Embedding shared{nullptr};
@@ -104,6 +108,12 @@ struct T5Impl : torch::nn::Module {
   T5Norm enc_norm{nullptr}, dec_norm{nullptr};
 };
 TORCH_MODULE(T5);
+
+// Tensor parallelism for T5 (fsdp::parallelize after construction): the shared embedding and tied
+// output by vocabulary rows; q, k, v and wi column-parallel (by heads, by features); o and wo
+// row-parallel; each stack's bucket embedding by heads (its columns). The TP size must divide
+// n_head, d_ff and vocab_size.
+std::vector<fsdp::TensorParallelRule> t5_tensor_parallel_plan();
 
 // The seq2seq objective fsdp's tests and programs train T5 with: the decoder reproduces the source
 // sequence reversed, reading it shifted right behind token 0 (teacher forcing). Returns

@@ -73,6 +73,12 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--attention", c.attention,
                  "fused (at::scaled_dot_product_attention) or reference (written out: matmul, masked_fill, softmax, matmul)")
       ->check(CLI::IsMember({"fused", "reference"}));
+  app.add_option("--tp", c.tp,
+                 "tensor parallelism: split the GPT's or T5's layers over N consecutive ranks of a host "
+                 "(Megatron-style column/row-parallel layers, vocabulary-parallel embedding and loss) and shard with "
+                 "fsdp over the W/N data-parallel ranks; N divides the ranks per host, the heads and the vocabulary. "
+                 "Default 1")
+      ->check(CLI::PositiveNumber);
   app.add_option("--dropout", c.dropout,
                  "dropout probability in the model (GPT: each block's attention and MLP outputs; T5: its layers; "
                  "DHEN: each layer's mix); default 0: none. Each rank draws its masks from its own generator, saved "

@@ -51,6 +51,7 @@ struct Config {
   bool activation_checkpointing = false;  // recompute every block in backward, keeping its input
   std::string attention = "fused";  // or "reference": written out (GPTConfig::fused_attention)
   double dropout = 0.0;             // the workload's dropout (GPT's blocks, T5's layers, DHEN's mix)
+  int tp = 1;                       // tensor parallelism inside a host (2-D with fsdp across)
   // How the model is built: "deferred" (fsdp::deferred_init, materialized unit by unit as shards:
   // no rank ever holds the whole model), "normal" (every rank builds it whole, then shards), or
   // "auto": deferred whenever the model is sharded (F > 1), normal otherwise.

@@ -81,7 +81,7 @@ class DHENWorkload final : public Workload {
     const torch::Tensor dense = input_dtype ? b.inputs[0].to(*input_dtype) : b.inputs[0];
     return static_cast<models::DHENImpl&>(model).forward(dense, b.inputs[1]);
   }
-  torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override { return models::click_loss(out, b.targets); }
+  torch::Tensor loss(torch::nn::Module&, const torch::Tensor& out, const Batch& b) const override { return models::click_loss(out, b.targets); }
   // An AUC needs more samples than a training batch to be worth printing.
   int64_t eval_samples(int64_t global_batch) const override { return 32 * global_batch; }
   std::map<std::string, double> evaluate(const torch::Tensor& outputs, const torch::Tensor& targets) const override {

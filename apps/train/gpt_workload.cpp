@@ -42,7 +42,10 @@ class GPTWorkload final : public Workload {
   torch::Tensor forward(torch::nn::Module& model, const Batch& b, std::optional<c10::ScalarType>) const override {
     return static_cast<models::GPTImpl&>(model).forward(b.inputs[0]);  // token ids: nothing to cast
   }
-  torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override { return models::lm_loss(out, b.targets); }
+  torch::Tensor loss(torch::nn::Module& model, const torch::Tensor& out, const Batch& b) const override {
+    return static_cast<models::GPTImpl&>(model).loss(out, b.targets);  // vocabulary-parallel under --tp
+  }
+  std::vector<fsdp::TensorParallelRule> tensor_parallel_plan() const override { return models::gpt_tensor_parallel_plan(); }
 
   // Training FLOPs per token (forward and backward: 3 x the forward's 2 per weight, and
   // attention's two T x d products per layer).

@@ -65,7 +65,10 @@ class T5Workload final : public Workload {
   torch::Tensor forward(torch::nn::Module& model, const Batch& b, std::optional<c10::ScalarType>) const override {
     return static_cast<models::T5Impl&>(model).forward(b.inputs[0], b.inputs[1]);  // token ids: nothing to cast
   }
-  torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override { return models::lm_loss(out, b.targets); }
+  torch::Tensor loss(torch::nn::Module& model, const torch::Tensor& out, const Batch& b) const override {
+    return static_cast<models::T5Impl&>(model).loss(out, b.targets);  // vocabulary-parallel under --tp
+  }
+  std::vector<fsdp::TensorParallelRule> tensor_parallel_plan() const override { return models::t5_tensor_parallel_plan(); }
   double flops_scale(int64_t) const override { return 0; }
 
  private:

@@ -128,16 +128,32 @@ std::string megabytes(int64_t bytes) {
 int train(const Config& c) {
   fsdp::install_host_allocator();  // before anything is allocated: every CPU tensor counts
   const bool simulated = c.simulate_rank >= 0;
-  auto mesh = simulated ? fsdp::Mesh::simulated(c.plan_world, c.simulate_rank, std::min(c.plan_local, c.plan_world))
-                        : fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
-  const fsdp::LaunchEnv env = mesh->env();
+  auto world = simulated ? fsdp::Mesh::simulated(c.plan_world, c.simulate_rank, std::min(c.plan_local, c.plan_world))
+                         : fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
+  const fsdp::LaunchEnv env = world->env();
+  // --tp N: tensor parallelism inside a host, fsdp over the data-parallel ranks. `mesh` is what
+  // fsdp, the batch slices and checkpoints see: the DP ranks (all of them without --tp).
+  if (c.tp > 1 && (c.local || c.ddp_baseline)) {
+    throw std::invalid_argument("--tp needs fsdp; drop " + std::string(c.local ? "--local" : "--ddp-baseline"));
+  }
+  if (c.tp > 1 && c.dropout > 0) {
+    throw std::invalid_argument("--tp with --dropout: the TP ranks of a data-parallel group would draw different masks "
+                                "for the activations they hold alike; drop --dropout");
+  }
+  if (c.tp > 1 && (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty() || !c.load_weights.empty())) {
+    throw std::invalid_argument("--tp: checkpoints of tensor-parallel runs are not written yet (each TP rank holds "
+                                "parts of the parameters); drop --save-dir, --resume, --export-full and --load-weights");
+  }
+  const std::shared_ptr<fsdp::TensorParallel> tp = c.tp > 1 ? fsdp::TensorParallel::create(world, c.tp) : nullptr;
+  const std::shared_ptr<fsdp::Mesh> mesh = tp ? tp->data_parallel() : world;
+  const int world_rank = world->rank();
   // Share the cores among the local ranks instead of oversubscribing them (a simulated rank is
   // alone on this machine).
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   torch::set_num_threads(c.threads > 0 ? c.threads : std::max(1, cores / (simulated ? 1 : env.local_world_size)));
-  const int W = mesh->world_size(), rank = mesh->rank();
+  const int W = mesh->world_size(), rank = mesh->rank();  // data-parallel: who reads which slice
   // What this process prints: rank 0's view, or the simulated rank's.
-  const bool prints = rank == 0 || simulated;
+  const bool prints = world_rank == 0 || simulated;
   if (simulated) {
     if (c.local) throw std::invalid_argument("--simulate-rank runs one rank of a sharded job; drop --local");
     if (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty()) {
@@ -198,6 +214,7 @@ int train(const Config& c) {
     c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
   }
   fsdp::Options options = fsdp_options(c);
+  options.tensor_parallel = tp;
   // Activations of one rank's micro-batch, in the compute dtype.
   const int64_t micro_batch = c.global_batch / W / std::max(1, c.grad_accum);
   const int64_t element = options.mixed_precision ? c10::elementSize(options.mixed_precision->param_dtype) : 4;
@@ -209,6 +226,7 @@ int train(const Config& c) {
   fsdp::MemoryPlan plan;
   {
     auto meta = fsdp::meta_init([&] { return workload->build(plain ? nullptr : mesh); });  // the whole model's plan
+    if (tp) fsdp::parallelize(*meta, tp, workload->tensor_parallel_plan());  // this rank's parts
     workload->configure(options, *meta, micro_batch, element, c.activation_checkpointing);
     if (plain) {
       plan = local_plan(*meta, options);
@@ -217,8 +235,9 @@ int train(const Config& c) {
         throw std::invalid_argument(fsdp::explain_over_budget(*meta, plan, options, 1, budget));
       }
     } else {
-      plan = fsdp::plan_memory(*meta, W, options, env.local_world_size);
-      deferred = c.init == "deferred" || (c.init == "auto" && plan.shard_size > 1);
+      plan = fsdp::plan_memory(*meta, W, options, mesh->env().local_world_size);
+      // A TP model is built whole and then split (fsdp::parallelize): not deferred.
+      deferred = !tp && (c.init == "deferred" || (c.init == "auto" && plan.shard_size > 1));
       // Refused here, before building (the wrapper checks again, on the built model).
       fsdp::check_memory_budget(*meta, *mesh, options, device);
     }
@@ -227,6 +246,8 @@ int train(const Config& c) {
   torch::manual_seed(c.seed);  // the same initial weights on every rank
   auto build = [&] { return workload->build(plain ? nullptr : mesh, c.simulate_layers); };
   std::shared_ptr<torch::nn::Module> model = deferred ? fsdp::deferred_init(build) : build();
+  // Built whole from the seed on every TP rank (local training's values), then each keeps its parts.
+  if (tp) fsdp::parallelize(*model, tp, workload->tensor_parallel_plan());
   workload->configure(options, *model, micro_batch, element, c.activation_checkpointing);  // this model's own modules
   if (c.activation_checkpointing) workload->apply_checkpointing(*model);
   if (deferred) {
@@ -259,9 +280,10 @@ int train(const Config& c) {
   }
   // Where the run keeps what it made (run_folder.h): its checkpoint and the whole model, unless
   // --save-dir / --export-full name other places. A collective: rank 0 names it.
-  const std::optional<RunFolder> run = plain || simulated ? std::nullopt : RunFolder::create(c, *mesh);
-  const std::string save_dir = !c.save_dir.empty() ? c.save_dir : run ? run->checkpoints() : "";
-  const std::string export_full = !c.export_full.empty() ? c.export_full : run ? run->model_file() : "";
+  const std::optional<RunFolder> run = plain || simulated ? std::nullopt : RunFolder::create(c, *world);
+  // Under --tp the run folder keeps the log and metrics, no checkpoint (refused above when asked for).
+  const std::string save_dir = !c.save_dir.empty() ? c.save_dir : run && !tp ? run->checkpoints() : "";
+  const std::string export_full = !c.export_full.empty() ? c.export_full : run && !tp ? run->model_file() : "";
   fsdp::FullyShardedDataParallelBase* wrapped = trainee->wrapped();
   fsdp::ShardedGradScaler* scaler_ptr = scaler ? &*scaler : nullptr;
   if (!c.load_weights.empty()) fsdp::load_model_file(c.load_weights, *wrapped);
@@ -305,7 +327,8 @@ int train(const Config& c) {
   }
   if (prints) {
     std::cout << "fsdp-train: " << workload->name() << " " << workload->num_parameters() << " parameters, "
-              << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << W << ", global batch "
+              << trainee->describe() << (deferred ? ", built deferred" : "") << ", W=" << world->world_size()
+              << (tp ? " (TP " + std::to_string(tp->size()) + " x DP " + std::to_string(W) + ")" : "") << ", global batch "
               << workload->batch_text(c.global_batch) << ", " << workload->data_origin()
               << std::endl;
     if (W > 1 && !simulated) std::cout << "fsdp-train: Gloo communicates over " << mesh->network() << std::endl;
@@ -314,7 +337,7 @@ int train(const Config& c) {
   const int64_t per_rank = c.global_batch / W;
   const double tokens_per_step = static_cast<double>(c.global_batch * workload->tokens_per_sample());
   auto loss_of = [&](const Batch& b) {
-    return workload->loss(trainee->forward([&] { return workload->forward(*model, b, trainee->input_dtype()); }), b);
+    return workload->loss(*model, trainee->forward([&] { return workload->forward(*model, b, trainee->input_dtype()); }), b);
   };
   // The held-out figures after `step`: the loss of a held-out batch (forward only: no graph, nothing
   // gathered stays behind) and what else the workload evaluates (the DHEN's AUC).
@@ -331,7 +354,7 @@ int train(const Config& c) {
     const Batch held_out = on_device(
         workload->batch(-1 - step, eval_n, c.seed, rank * eval_per_rank, (rank + 1) * eval_per_rank), device);
     const torch::Tensor out = trainee->forward([&] { return workload->forward(*model, held_out, trainee->input_dtype()); });
-    std::map<std::string, double> figures = {{"loss", global_mean(*mesh, workload->loss(out, held_out))}};
+    std::map<std::string, double> figures = {{"loss", global_mean(*mesh, workload->loss(*model, out, held_out))}};
     for (const auto& [name, value] : workload->evaluate(all_gather_rows(*mesh, out), all_gather_rows(*mesh, held_out.targets))) {
       figures[name] = value;
     }
@@ -399,7 +422,7 @@ int train(const Config& c) {
     memory["peak_live_tensor_bytes"] = peak.start_bytes() + peak.peak_bytes();
     if (sampling) {
       sampling->stop();
-      const std::string path = c.memory_timeline + "/memory-rank" + std::to_string(rank) + ".csv";
+      const std::string path = c.memory_timeline + "/memory-rank" + std::to_string(world_rank) + ".csv";
       sampling->write_csv(path);
       if (prints) {
         std::cout << "fsdp-train: wrote the memory of step " << step << " to " << c.memory_timeline
@@ -408,9 +431,9 @@ int train(const Config& c) {
     }
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
     StepRecord r;
-    r.rank = rank;
+    r.rank = world_rank;
     r.local_rank = env.local_rank;
-    r.node_rank = rank / env.local_world_size;
+    r.node_rank = world_rank / env.local_world_size;
     r.step = step;
     r.loss = global_mean(*mesh, loss);
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -419,7 +442,7 @@ int train(const Config& c) {
     r.memory = std::move(memory);
     r.links = LinkCounters::read().since(links_before);
     if (!c.trace_dir.empty() && step == c.trace_step) {
-      const std::string path = c.trace_dir + "/trace-rank" + std::to_string(rank) + ".json";
+      const std::string path = c.trace_dir + "/trace-rank" + std::to_string(world_rank) + ".json";
       if (trainee->write_trace(path) && prints) {
         std::cout << "fsdp-train: wrote the Chrome trace of step " << step << " to " << c.trace_dir
                   << "/trace-rank*.json (open in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
@@ -530,7 +553,7 @@ int train(const Config& c) {
   }
   // A model resumed at its last step writes a sample too: the trained model, without training more.
   if (trained || start_step > 0) {
-    if (const std::optional<TextSample> sample = sample_text(c, *workload, *model, *trainee, *mesh, device)) {
+    if (const std::optional<TextSample> sample = tp ? std::nullopt : sample_text(c, *workload, *model, *trainee, *mesh, device)) {
       std::cout << "== sample: " << sample->tokens << " tokens after \"" << sample->prompt << "\" (temperature "
                 << c.temperature << ", seed " << c.seed << "; through " << sample->via << ", "
                 << static_cast<int64_t>(sample->seconds * 1000) << " ms)\n"

@@ -16,6 +16,7 @@
 #include "config.h"
 #include "fsdp/mesh.h"
 #include "fsdp/options.h"
+#include "fsdp/tensor_parallel.h"
 
 namespace train {
 
@@ -65,8 +66,13 @@ class Workload {
   // precision's compute dtype, which floating-point inputs are cast to.
   virtual torch::Tensor forward(torch::nn::Module& model, const Batch& b,
                                 std::optional<c10::ScalarType> input_dtype) const = 0;
-  // The mean loss of `out` over the batch.
-  virtual torch::Tensor loss(const torch::Tensor& out, const Batch& b) const = 0;
+  // The mean loss of `out` (the output of `model`) over the batch.
+  virtual torch::Tensor loss(torch::nn::Module& model, const torch::Tensor& out, const Batch& b) const = 0;
+  // --tp: which of the model's parameters tensor parallelism splits (fsdp::parallelize). Throws
+  // std::invalid_argument for a workload without one.
+  virtual std::vector<fsdp::TensorParallelRule> tensor_parallel_plan() const {
+    throw std::invalid_argument("--tp: " + name() + " has no tensor-parallel plan (the GPT and T5 have); drop --tp");
+  }
   // How many held-out samples an evaluation (--eval-every) reads: a multiple of `global_batch`.
   virtual int64_t eval_samples(int64_t global_batch) const { return global_batch; }
   // Besides the loss, what an evaluation reports (the DHEN's AUC), by name: from every rank's

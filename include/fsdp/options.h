@@ -14,6 +14,8 @@
 
 namespace fsdp {
 
+class TensorParallel;  // fsdp/tensor_parallel.h
+
 enum class ShardingStrategy {
   FULL_SHARD,          // F = W, reshard after forward (ZeRO-3)
   SHARD_GRAD_OP,       // F = W, keep unsharded from forward until after backward (ZeRO-2)
@@ -208,6 +210,11 @@ struct Options {
   std::optional<c10::Device> init_device;
   // The per-rank memory budget the plan is held against at construction.
   MemoryBudget memory_budget;
+  // Tensor parallelism (fsdp/tensor_parallel.h): the TP group the model's split parameters
+  // (fsdp::parallelize) belong to. Required when the model has any: the model must then be wrapped
+  // over tensor_parallel->data_parallel(), and clip_grad_norm_ sums the split parameters' squares
+  // over the TP group too. Checkpoints then save and load whole tensors by their original names.
+  std::shared_ptr<TensorParallel> tensor_parallel;
 };
 
 }  // namespace fsdp

@@ -239,7 +239,8 @@ GroupPtr MeshState::make_group(const std::string& name, int group_rank, int grou
       throw std::runtime_error("fsdp: parameters are CUDA tensors but no GPU is visible on rank " +
                                std::to_string(env.rank) + "; move the model to the CPU or run where GPUs are");
     }
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank % c10::cuda::device_count()));
+    const int local = device_rank >= 0 ? device_rank : env.local_rank;
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(local % c10::cuda::device_count()));
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = options.collective_timeout;
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(
@@ -259,6 +260,22 @@ GroupPtr MeshState::make_group(const std::string& name, int group_rank, int grou
                              std::to_string(env.rank) + ": a peer rank did not arrive or exited. (" +
                              e.what() + ")");
   }
+}
+
+std::shared_ptr<Mesh> MeshState::sub_mesh(const std::string& name, int rank, int size, int local_world_size) {
+  auto sub = std::make_unique<MeshState>();
+  sub->env = env;
+  sub->env.rank = rank;
+  sub->env.world_size = size;
+  sub->env.local_world_size = local_world_size;
+  sub->env.local_rank = rank % local_world_size;
+  sub->options = options;
+  sub->gloo_interface = gloo_interface;
+  sub->simulated = simulated;
+  sub->device_rank = device_rank >= 0 ? device_rank : env.local_rank;
+  sub->store = c10::make_intrusive<c10d::PrefixStore>("fsdp/sub/" + name, store);
+  sub->world = sub->make_group("world", rank, size, c10::DeviceType::CPU);
+  return std::shared_ptr<Mesh>(new Mesh(std::move(sub)));
 }
 
 const ShardGroups& MeshState::groups_for(int shard_size, c10::DeviceType device) {

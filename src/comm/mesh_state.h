@@ -38,6 +38,9 @@ struct MeshState {
   GroupPtr nccl_world;
   GlooInterface gloo_interface;  // chosen once, when the mesh is made
   bool simulated = false;        // Mesh::simulated: every group is a SimulatedBackend
+  // The GPU of this process (LOCAL_RANK's): a sub-mesh's env numbers its ranks in the sub-mesh, not
+  // on the host, so it keeps its parent's.
+  int device_rank = -1;
   std::map<std::pair<int, int>, ShardGroups> groups;  // (F, device type) -> groups
   std::map<std::pair<int, int>, GroupPtr> secondary_groups;  // (N, device type) -> hpZ group
   std::map<const c10d::Backend*, std::shared_ptr<RingReduceScatter>> rings;  // one per Gloo group
@@ -61,6 +64,12 @@ struct MeshState {
   void check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe);
 
   GroupPtr make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device);
+
+  // A mesh of `size` ranks of this one (this rank is `rank` of them, `local_world_size` of them per
+  // node), with a world group of its own and a store under its own prefix, so every group built on
+  // it is apart from this mesh's: the data-parallel mesh of tensor parallelism (tensor_parallel/).
+  // Collective over the ranks of the sub-mesh; `name` is the same on them and unique in this mesh.
+  std::shared_ptr<Mesh> sub_mesh(const std::string& name, int rank, int size, int local_world_size);
 };
 
 }  // namespace detail

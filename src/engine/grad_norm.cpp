@@ -2,25 +2,39 @@
 
 #include <c10/core/GradMode.h>
 
+#include "fsdp/tensor_parallel.h"
+
 namespace fsdp {
 
 double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, double max_norm,
-                      const std::vector<at::Tensor>& model_parallel) {
+                      const std::vector<at::Tensor>& model_parallel, const TensorParallel* tp) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
+  // [0]: replicated parameters' squares (every TP rank holds the same), [1]: TP-split ones' (each
+  // TP rank its part): the first counted once, the second summed over the TP group too.
+  at::Tensor sums = at::zeros({2}, units.empty() ? at::TensorOptions(at::kFloat)
+                                                 : units[0]->handle().shard().options().dtype(at::kFloat));
+  const bool split_dims = tp != nullptr && tp->size() > 1;
   for (const Unit* u : units) {
     for (const auto& p : u->handle().params()) {
-      if (p.grad().defined()) grads.push_back(p.grad());
+      if (!p.grad().defined()) continue;
+      grads.push_back(p.grad());
+      const bool split = split_dims && tensor_parallel_placement(p).has_value();
+      sums[split ? 1 : 0].add_(p.grad().to(at::kFloat).pow(2).sum());
     }
   }
-  at::Tensor sumsq = at::zeros({1}, units.empty() ? at::TensorOptions(at::kFloat)
-                                                  : units[0]->handle().shard().options().dtype(at::kFloat));
-  for (const auto& g : grads) sumsq.add_(g.to(at::kFloat).pow(2).sum());
   if (comm.mesh().shard_size > 1) {
     InFlight f = comm.issue(CommKind::ALL_REDUCE, Over::SHARD_GROUP, -1, "the gradient norm",
-                            [&] { return Buffers{sumsq, at::Tensor()}; });
+                            [&] { return Buffers{sums, at::Tensor()}; });
     comm.wait(f);
   }
+  if (split_dims) {
+    at::Tensor part = sums.narrow(0, 1, 1).clone();
+    std::vector<at::Tensor> v{part};
+    tp->group(part.device().type())->allreduce(v)->wait();
+    sums.narrow(0, 1, 1).copy_(part);
+  }
+  at::Tensor sumsq = sums.sum().reshape({1});
   if (!model_parallel.empty()) {
     // Each rank's part is its own: the world group's sum is the whole tensors' (on the CPU, where
     // the world group runs).

@@ -11,6 +11,7 @@
 #include "fsdp/plan.h"
 #include "fsdp/process_memory.h"
 #include "fsdp/deferred_init.h"
+#include "fsdp/tensor_parallel.h"
 #include "engine/grad_norm.h"
 #include "comm/mesh_info.h"
 #include "comm/mesh_state.h"
@@ -24,6 +25,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   TORCH_CHECK(module_ && mesh_, "fsdp: FullyShardedDataParallel needs a module and a mesh");
   install_host_allocator();  // live tensor bytes counted, large blocks reused (process_memory.h)
   TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
+  check_tensor_parallel();
   const int F = sharding_factor(options_, mesh_->world_size(), mesh_->env().local_world_size);
   ignored_ = ignored_tensors(*module_, options_);
   std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy, ignored_);
@@ -80,6 +82,32 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   runtime_->install_hooks();
   // A model built whole has just been freed, but for its shards: give that memory back.
   if (device_.is_cpu()) release_free_memory();
+}
+
+void ShardedRoot::check_tensor_parallel() {
+  // A model split by fsdp::parallelize holds parts that differ across its TP group: wrapped over
+  // the world, fsdp would average different parameters together; without the group, clipping
+  // would miss the other ranks' parts. Both would train wrong without an error.
+  const auto& tp = options_.tensor_parallel;
+  for (const auto& np : module_->named_parameters(true)) {
+    const auto placement = tensor_parallel_placement(np.value());
+    if (!placement || placement->tp->size() == 1) continue;
+    if (!tp) {
+      throw std::invalid_argument("fsdp: parameter '" + np.key() + "' is split for tensor parallelism "
+                                  "(fsdp::parallelize) but Options::tensor_parallel is not set: set it to the "
+                                  "TensorParallel the plan used and wrap over its data_parallel() mesh");
+    }
+    if (placement->tp != tp) {
+      throw std::invalid_argument("fsdp: parameter '" + np.key() + "' is split over another TensorParallel than "
+                                  "Options::tensor_parallel");
+    }
+  }
+  if (tp && tp->size() > 1 && mesh_ != tp->data_parallel()) {
+    throw std::invalid_argument("fsdp: with Options::tensor_parallel of " + std::to_string(tp->size()) +
+                                " ranks, wrap the model over tensor_parallel->data_parallel() (the " +
+                                std::to_string(tp->data_parallel()->world_size()) + " data-parallel ranks), not " +
+                                "a mesh of " + std::to_string(mesh_->world_size()));
+  }
 }
 
 void ShardedRoot::materialize_buffers() {
@@ -174,7 +202,7 @@ double ShardedRoot::clip_grad_norm(double max_norm, const std::vector<at::Tensor
           "one would count it twice. List only the ignored parameters each rank holds its own part of.");
     }
   }
-  return fsdp::clip_grad_norm(units, *comm_, max_norm, model_parallel);
+  return fsdp::clip_grad_norm(units, *comm_, max_norm, model_parallel, options_.tensor_parallel.get());
 }
 
 void ShardedRoot::summon(bool rank0_only, bool writeback) {

@@ -54,6 +54,7 @@ class ShardedRoot {
   bool has_ignored() const { return !ignored_.empty(); }
 
  private:
+  void check_tensor_parallel();
   void materialize_buffers();
   void materialize_ignored();
   void broadcast_module_states();

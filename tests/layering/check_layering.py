@@ -18,6 +18,7 @@ MAY_INCLUDE = {
     "memory": [],                       # device storage, fsdp's CPU allocator, process memory
     "init": [],                         # deferred and meta initialization
     "comm": ["observe"],                # collectives, process groups, streams, rate limiter, launch
+    "tensor_parallel": ["comm", "observe"],  # the 2-D mesh, the plan, column/row-parallel layers
     "precision": ["comm"],              # mixed precision's dtypes, the sharded gradient scaler
     "engine": ["precision", "comm", "init", "memory", "observe"],  # units, flat params, runtime
     "plan": ["engine", "precision", "comm", "init", "memory", "observe"],  # memory plan and budget

@@ -1,0 +1,127 @@
+// Tensor parallelism with fsdp (paper §7.1; docs/design.md "Two dimensions"): Megatron-style
+// column- and row-parallel linear layers inside a host, fsdp over the data-parallel ranks across
+// hosts.
+//
+//   auto world = fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
+//   auto tp = fsdp::TensorParallel::create(world, 2);        // TP 2 x DP W/2, TP inside a host
+//   torch::manual_seed(0);
+//   auto model = models::GPT(cfg);                           // built whole, as for local training
+//   fsdp::parallelize(*model, tp, models::gpt_tensor_parallel_plan());  // keeps this rank's parts
+//   fsdp::Options opts;  opts.tensor_parallel = tp;  ...
+//   fsdp::FullyShardedDataParallel fsdp_model(model, tp->data_parallel(), opts);
+//
+// A model takes part in three ways. (1) A plan, applied once after construction, names which
+// parameters are split and along which dimension (column-parallel: a Linear's output features,
+// dim 0; row-parallel: its input features, dim 1; a vocabulary-parallel embedding: its rows, dim
+// 0); each named parameter keeps its TensorImpl and its name and from then on holds only this
+// rank's part (set_data), so optimizers, fsdp and checkpoints see the same parameters as before.
+// (2) The model's forward calls its split layers through column_parallel / row_parallel /
+// vocab_parallel_embedding (plain calls when the parameter is not split: the same model trains
+// with and without TP) and reads head counts from the local shapes. (3) The loss of split logits
+// is vocab_parallel_cross_entropy. Parameters no rule names are replicated: every TP rank holds
+// them whole and computes the same gradient for them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include "fsdp/mesh.h"
+
+namespace fsdp {
+
+// The 2-D mesh: W = DP x TP ranks; a TP group is `size` consecutive ranks (inside one host when
+// `size` divides the ranks per node, which create() requires of a multi-host job), a DP group
+// the ranks with the same place in their TP group.
+class TensorParallel {
+ public:
+  // Collective over `world`. Throws std::invalid_argument when `size` does not divide the world
+  // size, or (with more than one host) the ranks per node: TP's activations cross the TP group
+  // twice per layer and pass, which only a host's links carry at the speed it needs.
+  static std::shared_ptr<TensorParallel> create(const std::shared_ptr<Mesh>& world, int size);
+  ~TensorParallel();
+
+  int size() const;
+  int rank() const;  // in the TP group
+  // The mesh of this rank's DP group (W / size ranks, W / size / hosts per node): what
+  // FullyShardedDataParallel, checkpoints and the gradient scaler are given.
+  const std::shared_ptr<Mesh>& data_parallel() const;
+  const std::shared_ptr<Mesh>& world() const;
+  // The TP group for tensors of `device` (Gloo for CPU, NCCL for CUDA), built on first use.
+  const c10::intrusive_ptr<c10d::Backend>& group(c10::DeviceType device) const;
+
+ private:
+  TensorParallel() = default;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// How one parameter is split across the TP group: the whole tensor viewed as [parts, n / parts,
+// ...] along `dim` (parts = 3 for a fused q/k/v projection, so each rank holds its heads of each of
+// q, k and v), and each part cut into `size` equal slices; rank r holds slice r of every part.
+struct TensorParallelShard {
+  int64_t dim = 0;
+  int64_t parts = 1;
+};
+
+// One rule of a plan: parameters whose name matches `pattern` ('*' matches any run of characters
+// but '.', "**" any run at all) are split as `shard`.
+struct TensorParallelRule {
+  std::string pattern;
+  TensorParallelShard shard;
+};
+// The usual rules, for a Linear named by its module path: weight and bias split by output
+// features (column) or the weight by input features and the bias replicated (row).
+std::vector<TensorParallelRule> column_parallel_rule(const std::string& module_pattern, int64_t parts = 1,
+                                                     bool bias = true);
+std::vector<TensorParallelRule> row_parallel_rule(const std::string& module_pattern);
+
+// Applies `plan` to `model` (built whole, every TP rank from the same seed): each parameter a rule
+// names keeps its TensorImpl and now holds this rank's part. Throws std::invalid_argument naming
+// the rule or parameter when a rule matches nothing, a split dimension is not divisible by
+// parts x size, or the model is already split; call it before wrapping with fsdp. A tied weight
+// is split once.
+void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>& tp,
+                 const std::vector<TensorParallelRule>& plan);
+
+// What parallelize made of `param` (by TensorImpl; it survives fsdp's sharding): the split, the
+// whole tensor's shape and the group; nullopt for a parameter that is not split.
+struct TensorParallelPlacement {
+  TensorParallelShard shard;
+  std::vector<int64_t> full_shape;
+  std::shared_ptr<TensorParallel> tp;
+};
+std::optional<TensorParallelPlacement> tensor_parallel_placement(const at::Tensor& param);
+// This rank's part of a whole tensor split as `shard` over `size` ranks (a contiguous copy).
+at::Tensor tensor_parallel_part(const at::Tensor& whole, const TensorParallelShard& shard, int rank, int size);
+// The whole tensor from every rank's part (collective over the TP group; a copy).
+at::Tensor tensor_parallel_whole(const at::Tensor& part, const TensorParallelPlacement& placement);
+
+// The layers' forward. Each is a plain call when its weight is not split (or TP has one rank).
+// Column-parallel: x is whole (replicated); the output holds this rank's output features. Backward
+// all-reduces x's gradient over the TP group.
+at::Tensor column_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+at::Tensor column_parallel(torch::nn::Linear& linear, const at::Tensor& x);
+// Row-parallel: x holds this rank's input features (a column-parallel layer's output); the
+// partial products are all-reduced over the TP group, then the (replicated) bias is added once.
+at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x);
+// A lookup in an embedding split by rows: each rank looks up the ids in its rows, the rest are
+// zero, and the TP group's sum is the whole lookup.
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight);
+// Mean cross entropy of logits split along the last dimension (each rank's classes, e.g. the
+// output of column_parallel with a vocabulary-split weight) against int64 targets, without
+// gathering the logits: the max, the sum of exponentials and the target's logit are all-reduced.
+// `weight`: the split weight the logits came from (names the group); plain when not split.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weight);
+// Logits split along the last dimension, gathered whole (for sampling and evaluation).
+at::Tensor gather_last_dim(const at::Tensor& logits, const at::Tensor& weight);
+
+}  // namespace fsdp
