@@ -34,10 +34,13 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   // fused kernel only a log-sum-exp per row (batch x heads x T, fp32): its output, which its
   // backward keeps, is laid out [B, T, H, hd], so the attention's output before proj is that
   // very tensor (the reshape is a view), counted above.
-  const int64_t attention = fused_attention ? batch * n_head * T * 4 / element_size : batch * n_head * T * T;
+  const int64_t tp = std::max<int64_t>(1, tensor_parallel), heads = n_head / tp;
+  const int64_t attention = fused_attention ? batch * heads * T * 4 / element_size : batch * heads * T * T;
   // Dropout keeps a one-byte mask of each of its two outputs.
   const int64_t masks = dropout > 0 ? (2 * tokens * d + element_size - 1) / element_size : 0;
-  const int64_t per_block = 16 * tokens * d + attention + masks;
+  // Under tensor parallelism qkv's output, the attention's output, fc's and gelu's (12 of the 16)
+  // are split; ln1's, h, ln2's and the block's output are whole on every rank.
+  const int64_t per_block = 4 * tokens * d + 12 * tokens * d / tp + attention + masks;
   // The embeddings' sum (the first block's input), tokens x d, and the head's peak.
   const int64_t head = head_activation_bytes(batch, seq_len, element_size);
   // Checkpointed blocks keep only their input (the previous block's output, counted already), and
@@ -50,6 +53,8 @@ int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t
   // ln_f's output (tokens x d) and log_softmax's output (tokens x vocab), and while the loss's
   // backward runs, the gradients of the log-probabilities and of the logits beside it.
   const int64_t tokens = batch * seq_len;
+  // Vocabulary-parallel: this rank's classes, the softmax saved in fp32 and its gradient beside it.
+  if (tensor_parallel > 1) return tokens * d_model * element_size + 3 * tokens * (vocab_size / tensor_parallel) * 4;
   return (tokens * d_model + 3 * tokens * vocab_size) * element_size;
 }
 

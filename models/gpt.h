@@ -27,6 +27,9 @@ struct GPTConfig {
   // Dropout on each block's attention and MLP outputs (before the residual add), as GPT-2 has it;
   // 0 (the default) draws nothing from the random number generator.
   double dropout = 0.0;
+  // The tensor-parallel size activation_bytes counts for (gpt_tensor_parallel_plan): each rank
+  // holds its heads' and features' share of the split layers' activations and all of the rest.
+  int64_t tensor_parallel = 1;
 
   // Analytic parameter count of GPT(*this); the tied embedding/head weight is counted once.
   int64_t num_parameters() const;

@@ -23,7 +23,9 @@ int64_t T5Config::num_parameters() const {
 
 int64_t T5Config::activation_bytes(int64_t batch, int64_t src_len, int64_t tgt_len, int64_t element_size,
                                    bool checkpointed) const {
-  const int64_t d = d_model, i = n_head * d_kv, Ts = src_len, Tt = tgt_len;
+  const int64_t tp = std::max<int64_t>(1, tensor_parallel);
+  const int64_t d = d_model, i = n_head * d_kv / tp, Ts = src_len, Tt = tgt_len, n_head = this->n_head / tp,
+                d_ff = this->d_ff / tp;
   const int64_t src = batch * Ts, tgt = batch * Tt;
   // Attention with an additive position bias that needs a gradient runs SDPA's composite path on
   // the CPU: the scores and the probabilities, heads x Tk per query token, are saved.
@@ -52,6 +54,8 @@ int64_t T5Config::head_activation_bytes(int64_t batch, int64_t tgt_len, int64_t 
   // The final norm's output and its scaled copy (tokens x d), the log-softmax's output (tokens x
   // vocab) and, while the loss's backward runs, the gradients of the log-probabilities and logits.
   const int64_t tokens = batch * tgt_len;
+  // Vocabulary-parallel: this rank's classes, the softmax saved in fp32 and its gradient beside it.
+  if (tensor_parallel > 1) return 2 * tokens * d_model * element_size + 3 * tokens * (vocab_size / tensor_parallel) * 4;
   return (2 * tokens * d_model + 3 * tokens * vocab_size) * element_size;
 }
 

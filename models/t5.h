@@ -27,6 +27,9 @@ struct T5Config {
   int64_t num_buckets = 32;
   int64_t max_distance = 128;
   double dropout = 0.0;
+  // The tensor-parallel size activation_bytes counts for (t5_tensor_parallel_plan): heads and
+  // feed-forward features split, the d_model-wide activations whole on every rank.
+  int64_t tensor_parallel = 1;
 
   int64_t num_parameters() const;
   // Bytes of activations one training step of `batch` pairs of a `src_len`-token source and a

@@ -41,6 +41,7 @@ struct PlanCase {
   std::string extra;  // more flags (--shard-size, --mixed-precision)
   std::string name() const {
     std::string n = model + "_" + strategy + "_W" + std::to_string(world);
+    if (extra.find("--tp 2") != std::string::npos) n += "_tp2";
     if (extra.find("bf16") != std::string::npos) n += "_bf16";
     return n;
   }
@@ -96,6 +97,8 @@ std::vector<PlanCase> plan_cases(bool long_run) {
           out.push_back({model, s, W, (hybrid ? "--shard-size 2 " : "") + mp});
         }
       }
+      // Tensor parallelism: TP 2 x DP 2, against fsdp alone at the same W (the case above).
+      out.push_back({model, "full_shard", 4, "--tp 2 " + mp});
     }
   }
   return out;

@@ -160,6 +160,7 @@ models::GPTConfig model_config(const Config& c, const models::TokenSource& data)
   cfg.vocab_size = std::max<int64_t>(cfg.vocab_size, data.vocab_size());
   if (c.block_size > 0) cfg.block_size = c.block_size;
   cfg.fused_attention = c.attention == "fused";
+  cfg.tensor_parallel = c.tp;
   cfg.dropout = c.dropout;
   return cfg;
 }

@@ -78,11 +78,11 @@ class DDPTrainee final : public Trainee {
       for (auto& g : bk.grads) g = torch::Tensor();
     }
   }
-  void clip_grad_norm(double max_norm, const std::vector<torch::Tensor>&) override {
+  double clip_grad_norm(double max_norm, const std::vector<torch::Tensor>&) override {
     // Every rank holds the whole model here (the DHEN's whole tables too: the baseline is built
     // without the mesh), and after finish_backward every gradient is the averaged one, the same on
     // every rank: the local norm is the global one.
-    torch::nn::utils::clip_grad_norm_(unique_, max_norm);
+    return torch::nn::utils::clip_grad_norm_(unique_, max_norm);
   }
   fsdp::Metrics metrics() const override {
     fsdp::Metrics m;

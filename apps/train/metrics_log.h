@@ -26,6 +26,7 @@ class JsonlWriter {
 struct StepRecord {
   int rank = 0, step = 0;
   double loss = 0, step_ms = 0, tokens_per_s = 0;
+  double grad_norm = -1;  // the global norm before clipping (-1: --clip 0)
   fsdp::Metrics metrics;
   nlohmann::json memory;  // what the process held after each phase (memory_log.h)
   nlohmann::json links;   // what this host's network links carried through the step (link_counters.h)

@@ -22,6 +22,7 @@ class T5Workload final : public Workload {
       : data_(models::TokenSource::from_path(c.data)), cfg_(models::T5Config::preset(c.model)), name_(c.model),
         length_(c.block_size > 0 ? c.block_size : kDefaultLength) {
     cfg_.dropout = c.dropout;
+    cfg_.tensor_parallel = c.tp;
     if (data_.vocab_size() > cfg_.vocab_size) {
       // The paper's presets have T5's 32128-token vocabulary; a byte corpus fits every preset.
       cfg_.vocab_size = data_.vocab_size();

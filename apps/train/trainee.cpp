@@ -11,8 +11,8 @@ class LocalTrainee final : public Trainee {
   torch::Tensor forward(const std::function<torch::Tensor()>& forward) override { return forward(); }
   std::optional<c10::ScalarType> input_dtype() const override { return std::nullopt; }
   std::shared_ptr<void> no_sync() override { return nullptr; }
-  void clip_grad_norm(double max_norm, const std::vector<torch::Tensor>&) override {
-    torch::nn::utils::clip_grad_norm_(unique_, max_norm);  // one process holds every part
+  double clip_grad_norm(double max_norm, const std::vector<torch::Tensor>&) override {
+    return torch::nn::utils::clip_grad_norm_(unique_, max_norm);  // one process holds every part
   }
   fsdp::Metrics metrics() const override {
     fsdp::Metrics m;
@@ -44,8 +44,8 @@ class ShardedTrainee final : public Trainee {
   std::shared_ptr<void> no_sync() override {
     return std::make_shared<fsdp::FullyShardedDataParallelBase::NoSync>(fsdp_.no_sync());
   }
-  void clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& model_parallel) override {
-    fsdp_.clip_grad_norm_(max_norm, model_parallel);
+  double clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& model_parallel) override {
+    return fsdp_.clip_grad_norm_(max_norm, model_parallel);
   }
   fsdp::Metrics metrics() const override { return fsdp_.metrics(); }
   std::string describe() const override {

@@ -29,7 +29,8 @@ class Trainee {
   virtual void finish_backward() {}
   // Clips by the global norm of every gradient; `model_parallel`: parameters each rank holds its
   // own part of (the DHEN's rows), whose squares the norm sums over the ranks.
-  virtual void clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& model_parallel) = 0;
+  // Returns the gradients' global norm before clipping.
+  virtual double clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& model_parallel) = 0;
   virtual fsdp::Metrics metrics() const = 0;  // what this rank holds and moved this step
   virtual std::string describe() const = 0;
   // This step's Chrome trace; false when there is none (local training records no timeline).

@@ -411,7 +411,7 @@ int train(const Config& c) {
     memory["after_backward"] = to_json(fsdp::process_memory(device));
     mark("step");
     if (scaler) scaler->unscale_(*optim.adamw);
-    if (c.clip > 0) trainee->clip_grad_norm(c.clip, workload->model_parallel_parameters(*model));
+    const double grad_norm = c.clip > 0 ? trainee->clip_grad_norm(c.clip, workload->model_parallel_parameters(*model)) : -1.0;
     if (scaler) {
       if (!scaler->step(*optim.adamw) && prints) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
       scaler->update();
@@ -436,6 +436,7 @@ int train(const Config& c) {
     r.node_rank = world_rank / env.local_world_size;
     r.step = step;
     r.loss = global_mean(*mesh, loss);
+    r.grad_norm = grad_norm;
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
     r.metrics = trainee->metrics();
