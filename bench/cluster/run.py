@@ -20,6 +20,12 @@ hybrid_shard): bytes per host link at 2 x 2 and 2 x 4 (1 Gbit/s) against the exa
 comm_features.json and comm_features.md. --only-comm runs this part alone (parts 1 and 2 take
 most of the time); --no-comm leaves it out.
 
+Part 4, issue 27's two dimensions (TP_CONFIGS): tensor parallelism inside each host (--tp 2, the
+TP group on the host's loopback) with fsdp across the hosts, against full_shard and hybrid_shard
+over all 4 ranks: bytes per host link at 2 x 2 (1 Gbit/s; the kernel's counters; fsdp's
+comm_bytes of the host's ranks beside them, which count only fsdp's collectives, not TP's) and
+the step time at 20 and 100 Mbit/s. Writes tp.json and tp.md. --only-tp runs this part alone.
+
 Runs use the fsdp-train in build/bin with its defaults: since issue 26 its Gloo reduce-scatter is
 the ring, so parts 1 and 2 measure that (the results record the flags the runs had).
 """
@@ -50,6 +56,13 @@ COMM_CONFIGS = [
     ("full_shard + int8 AG", "full_shard", ["--quantize-all-gather", "int8"]),
     ("full_shard + ring RS + hpZ + int8 AG", "full_shard", ["--hpz", "--quantize-all-gather", "int8"]),
     ("hybrid_shard", "hybrid_shard", []),
+]
+# Issue 27: (label, strategy, fsdp-train flags) at 2 hosts x 2 ranks.
+TP_CONFIGS = [
+    ("full_shard over 4 ranks", "full_shard", []),
+    ("hybrid_shard (F = 2 in a host)", "hybrid_shard", []),
+    ("TP 2 x DP 2, full_shard across hosts", "full_shard", ["--tp", "2"]),
+    ("TP 2 x DP 2, no_shard across hosts", "no_shard", ["--tp", "2"]),
 ]
 # The issue's target: full_shard with all three at or below this many M per host link and step.
 TARGET_M = 1.3
@@ -175,6 +188,72 @@ def part_comm_bandwidth(args, log):
                         "step_ms_median": statistics.median(ms), "step_ms_min": min(ms), "step_ms_max": max(ms),
                         "peak_live_bytes": max(x[1] for x in v), "runs": len(v)})
     return out
+
+
+def link_bytes(rows, hosts, G, idle, skip=1):
+    """Mean bytes each host's link sent and received per step (the kernel's counters, read by the
+    host's local rank 0, less the idle baseline), and what fsdp counted for the host's ranks."""
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {})[r["rank"]] = r
+    steps = [s for s in sorted(by_step) if s >= skip + min(by_step) and len(by_step[s]) == hosts * G]
+    tx = rx = counted = 0.0
+    for s in steps:
+        for rank, row in by_step[s].items():
+            counted += sum(row["comm_bytes"].values()) / len(steps) / hosts
+            if row.get("local_rank", rank % G) == 0:
+                idle_bytes = idle * row["step_ms"] / 1000.0
+                tx += (sum(l["tx_bytes"] for l in row["links"].values()) - idle_bytes) / len(steps) / hosts
+                rx += (sum(l["rx_bytes"] for l in row["links"].values()) - idle_bytes) / len(steps) / hosts
+    return tx, rx, counted
+
+
+def part_tp(args, idle, log):
+    M = sum(n for n, _ in traffic_model.unit_numels(args.model, 1)) * 4  # the fp32 parameters
+    out = {"traffic": [], "bandwidth": []}
+    for label, s, flags in TP_CONFIGS:
+        rows = train(2, 2, "1gbit", s, args.model, args.steps, args.batch, flags)
+        tx, rx, counted = link_bytes(rows, 2, 2, idle)
+        out["traffic"].append({"label": label, "strategy": s, "flags": flags, "measured_tx": tx, "measured_rx": rx,
+                               "comm_bytes_per_host": counted, "M": M})
+        log("tp traffic %-40s measured tx %9.0f (%.2f M)  fsdp counted %9.0f" % (label, tx, tx / M, counted))
+    rates = ["20mbit", "100mbit"]
+    runs = {}
+    for rep in range(args.repeats):
+        for rate in rates:
+            for label, s, flags in TP_CONFIGS:
+                rows = train(2, 2, rate, s, args.model, args.bw_steps, args.batch, flags)
+                runs.setdefault((rate, label), []).append((step_ms(rows), peak_bytes(rows)))
+                log("tp bandwidth rep %d %-8s %-40s step %.1f ms" % (rep, rate, label, runs[(rate, label)][-1][0]))
+    for label, s, flags in TP_CONFIGS:
+        for rate in rates:
+            v = runs[(rate, label)]
+            ms = [x[0] for x in v]
+            out["bandwidth"].append({"rate": rate, "label": label, "flags": flags, "step_ms_median": statistics.median(ms),
+                                     "step_ms_min": min(ms), "step_ms_max": max(ms),
+                                     "peak_live_bytes": max(x[1] for x in v), "runs": len(v)})
+    return out
+
+
+def write_tp_markdown(res, path):
+    L = ["Issue 27: 2 hosts x 2 ranks, `%s` GPT (M = %.1f KB of fp32 parameters), global batch %d; bytes per host "
+         "link and step at 1 Gbit/s (idle baseline %.0f B/s subtracted)." % (res["model"], res["traffic"][0]["M"] / 1e3,
+                                                                              res["batch"], res["idle_bytes_per_s"]), ""]
+    L.append("| configuration | measured tx | measured rx | measured / M | fsdp comm_bytes of the host's ranks |")
+    L.append("|---|---|---|---|---|")
+    for r in res["traffic"]:
+        L.append("| %s | %.1f KB | %.1f KB | %.2f | %.1f KB |" % (r["label"], r["measured_tx"] / 1e3, r["measured_rx"] / 1e3,
+                                                               r["measured_tx"] / r["M"], r["comm_bytes_per_host"] / 1e3))
+    L += ["", "Step time (median of %d runs; min-max in brackets) and peak live tensor bytes per rank:" % res["repeats"], ""]
+    rates = ["20mbit", "100mbit"]
+    L.append("| configuration | " + " | ".join("%d Mbit/s" % mbit(r) for r in rates) + " | peak per rank |")
+    L.append("|---|" + "---|" * (len(rates) + 1))
+    for label, _, _ in TP_CONFIGS:
+        xs = [next(r for r in res["bandwidth"] if r["rate"] == rate and r["label"] == label) for rate in rates]
+        L.append("| %s | %s | %.2f MB |" % (label, " | ".join("%.0f ms [%.0f-%.0f]" % (x["step_ms_median"], x["step_ms_min"],
+                                                                                     x["step_ms_max"]) for x in xs),
+                                            max(x["peak_live_bytes"] for x in xs) / 1e6))
+    open(path, "w").write("\n".join(L) + "\n")
 
 
 def write_comm_markdown(res, path):
@@ -309,6 +388,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="no 2 x 4 topology, one repeat")
     ap.add_argument("--only-comm", action="store_true", help="only part 3 (issue 26's configurations)")
     ap.add_argument("--no-comm", action="store_true", help="parts 1 and 2 only (the strategies)")
+    ap.add_argument("--only-tp", action="store_true", help="only part 4 (issue 27's tensor parallelism)")
     args = ap.parse_args()
     if args.quick:
         args.repeats = 1
@@ -322,6 +402,13 @@ def main():
     log("idle baseline: %.1f bytes/s per host link" % idle)
     common = {"model": args.model, "batch": args.batch, "repeats": args.repeats, "idle_bytes_per_s": idle,
               "command": " ".join(["bench/cluster/run"] + sys.argv[1:])}
+    if args.only_tp:
+        res = dict(common)
+        res.update(part_tp(args, idle, log))
+        json.dump(res, open(os.path.join(args.out, "tp.json"), "w"), indent=1)
+        write_tp_markdown(res, os.path.join(args.out, "tp.md"))
+        log("wrote %s/tp.json and tp.md" % args.out)
+        return
     if not args.only_comm:
         # Every run with fsdp-train's defaults (planner_check predicts them with these flags).
         res = dict(common, flags=[])
