@@ -34,6 +34,19 @@ over N consecutive ranks (inside a host when N divides the ranks per host) in th
 per --quantize-block elements (forward's gathers, and backward's without hpZ), about a quarter
 of fp32's bytes or half of bf16's. --quantize-s-per-element charges the (de)quantization's
 compute (default 0: nothing measured yet).
+
+Issue 27's tensor parallelism, as fsdp-train --tp has it: --tp N splits each block's q/k/v and
+first MLP layer by heads and features (column-parallel) and its two output projections by input
+features (row-parallel), and the vocabulary (embedding and tied head) by rows, over N consecutive
+ranks of a host; fsdp then shards each TP rank's parts over its W / N data-parallel ranks (world
+ranks t, t + N, ...: across hosts when N is the ranks per host). What changes: each rank's units
+hold its parts (the split layers' weights / N, norms, row-parallel biases and the position
+embedding whole); its compute is the block's / N; and each block's forward adds two blocking
+all-reduces of the activations [tokens, d] inside the host (backward two more, activation
+checkpointing's recomputation two more again), charged as compute time over --intra-gbs (ring,
+2 (N - 1) / N of the bytes, each of 2 (N - 1) messages at --latency). There is no sequence
+parallelism: the activations outside the split layers are whole on every TP rank (the memory plan
+counts them so). --batch-per-rank is then per data-parallel rank (its TP ranks share the batch).
 """
 
 import argparse
@@ -56,6 +69,10 @@ MODELS = {
     "1b": (50000, 2048, 24, 16, 1792, 7168),
     "175b": (50000, 2048, 96, 96, 12288, 49152),
     "t5-11b": (32128, 512, 48, 128, 1024, 65536),
+    # A GPT of Llama 3 70B's width, depth, heads and vocabulary, with a GPT MLP (d_ff = 4 d, two
+    # matrices; Llama's SwiGLU has three of 28672): 65.5 B parameters, for issue 27's comparison
+    # with torchtitan's Llama 3.1 70B at FSDP 32 x TP 8.
+    "70b": (128256, 8192, 80, 64, 8192, 32768),
 }
 
 # Hardware presets: compute throughput (TFLOPS in the compute dtype), the share of it a step
@@ -64,18 +81,29 @@ MODELS = {
 HARDWARE = {
     # The paper's: A100 80 GB, 312 TFLOPS bf16, 8 per host, NVLink (300 GB/s per GPU), RoCE 2 Tb/s per host.
     "a100-roce": dict(tflops=312.0, mfu=0.55, intra_gbs=300.0, inter_gbs=250.0, latency=8e-6, backend="nccl", G=8),
+    # torchtitan's benchmark hosts (Grand Teton): H100 SXM at 500 W, 989 TFLOPS dense bf16, 8 per
+    # host, NVLink 4 (450 GB/s per GPU each direction), 400 Gb/s RDMA per GPU (400 GB/s per host).
+    # MFU 0.40: torchtitan's measured 33-39 % for 1-D Llama 3.1 8B in bf16 (its 70B run adds
+    # Float8, which this preset does not model).
+    "h100-grand-teton": dict(tflops=989.0, mfu=0.40, intra_gbs=450.0, inter_gbs=400.0, latency=8e-6, backend="nccl", G=8),
 }
 
 
 class Model:
-    def __init__(self, name, vocab, seq, layers, heads, d, d_ff, t5=False):
+    def __init__(self, name, vocab, seq, layers, heads, d, d_ff, t5=False, tp=1):
         self.name, self.vocab, self.seq, self.layers, self.heads, self.d, self.d_ff = name, vocab, seq, layers, heads, d, d_ff
+        self.tp = tp
         extra = 0.25 if t5 else 0.0  # T5's decoder cross-attention, averaged over its 48 layers
         self.block_params = int((4 * d * d * (1 + extra)) + 2 * d * d_ff + 9 * d + d_ff)
         self.root_params = vocab * d + seq * d + 2 * d
         # Forward FLOPs per token: 2 per weight, plus attention's two T x d products per layer.
         self.block_flops_per_token = 2 * self.block_params + 4 * seq * d
         self.head_flops_per_token = 2 * vocab * d
+        # One TP rank's parts (models::gpt_tensor_parallel_plan): split weights and the column-parallel
+        # biases (q/k/v 3 d, fc d_ff) / tp; LayerNorms (4 d) and row-parallel biases (2 d) whole.
+        split = int(4 * d * d * (1 + extra)) + 2 * d * d_ff + 3 * d + d_ff
+        self.block_params_local = split // tp + (self.block_params - split)
+        self.root_params_local = vocab * d // tp + seq * d + 2 * d
 
     def total_params(self):
         return self.root_params + self.layers * self.block_params
@@ -147,17 +175,23 @@ class Network:
         return self._ring(groups, M * (n - 1) / n, n - 1)
 
 
-def groups_of(W, F):
+def groups_of(W, F, tp=1):
     """Every shard group (F consecutive ranks) and every replica group (the ranks at the same
-    place in their shard groups; the world without sharding), in fsdp's mesh order."""
+    place in their shard groups; the world without sharding), in fsdp's mesh order. With tensor
+    parallelism W is the data-parallel world and every TP place has these groups of its own, in
+    world ranks: data-parallel rank p of TP place t is world rank p * tp + t."""
     shard = [list(range(s * F, (s + 1) * F)) for s in range(W // F)]
     replicate = [list(range(p, W, F)) for p in range(F)] if F > 1 else [list(range(W))]
-    return shard, replicate
+    return world_ranks(shard, tp), world_ranks(replicate, tp)
 
 
-def secondary_groups(W, N):
-    """hpZ's groups: N consecutive global ranks (a host's when N = the ranks per host)."""
-    return [list(range(k * N, (k + 1) * N)) for k in range(W // N)]
+def world_ranks(groups, tp):
+    return [[p * tp + t for p in g] for t in range(tp) for g in groups]
+
+
+def secondary_groups(W, N, tp=1):
+    """hpZ's groups: N consecutive data-parallel ranks (a host's when N = the ranks per host)."""
+    return world_ranks([list(range(k * N, (k + 1) * N)) for k in range(W // N)], tp)
 
 
 def quantized_shard_bytes(shard_numel, block):
@@ -248,19 +282,19 @@ def simulate(model, args, compute, net):
     3.3 ms at 100 Mbit/s), its 6 messages' CPU cost is the longer of the two and sets its time.
     The threads matter less at this scale (a reduce-scatter's bytes can go under the next gather's
     per-message costs) but are what the runtime does."""
-    W, F, strategy = args.world, args.F, args.strategy
-    shard, replicate = groups_of(W, F)
+    W, F, strategy = args.world // args.tp, args.F, args.strategy  # fsdp's world: the data-parallel ranks
+    shard, replicate = groups_of(W, F, args.tp)
     el_param = args.param_bytes
     el_reduce = args.reduce_bytes
     units = ["root"] + ["block%d" % i for i in range(model.layers)]
-    numel = {"root": padded(model.root_params, F)}
+    numel = {"root": padded(model.root_params_local, F)}
     for i in range(model.layers):
-        numel["block%d" % i] = padded(model.block_params, F)
+        numel["block%d" % i] = padded(model.block_params_local, F)
     gathers = strategy in ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2") and F > 1
     reshard = strategy in ("full_shard", "hybrid_shard")
     replicas = W // F if F > 1 else W
     N = args.reshard_after_forward_to
-    secondary = secondary_groups(W, N) if N else None
+    secondary = secondary_groups(W, N, args.tp) if N else None
     quantized = args.quantize_all_gather != "none"
     gloo = net.backend == "gloo"
     link_bytes = 0.0
@@ -368,20 +402,43 @@ def simulate(model, args, compute, net):
     return {"step_s": t, "backward_end_s": end_backward, "exposed_comm_s": exposed, "link_bytes": link_bytes}
 
 
+def tp_all_reduce_s(model, args):
+    """One TP all-reduce of a block's activations [tokens, d] in the compute dtype inside the host
+    (ring over --tp ranks at --intra-gbs, 2 (tp - 1) messages at --latency); 0 without TP."""
+    tp = args.tp
+    if tp == 1:
+        return 0.0
+    M = args.batch_per_rank * model.seq * model.d * args.param_bytes
+    return 2 * M * (tp - 1) / tp / (args.intra_gbs * 1e9) + 2 * (tp - 1) * args.latency
+
+
 def flops_compute(model, args):
     tokens = args.batch_per_rank * model.seq
     rate = args.tflops * 1e12 * args.mfu
-    fwd = {"block%d" % i: model.block_flops_per_token * tokens / rate for i in range(model.layers)}
-    bwd = {u: 2 * v for u, v in fwd.items()}
-    head = model.head_flops_per_token * tokens / rate
+    # A TP rank computes 1 / tp of every block and of the head (heads and features split), and
+    # waits for two all-reduces per block in forward and two in backward.
+    ar = tp_all_reduce_s(model, args)
+    fwd = {"block%d" % i: model.block_flops_per_token * tokens / rate / model.tp + 2 * ar for i in range(model.layers)}
+    bwd = {u: 2 * (v - 2 * ar) + 2 * ar for u, v in fwd.items()}
+    head = model.head_flops_per_token * tokens / rate / model.tp
     return {"fwd": fwd, "bwd": bwd, "root_fwd": head, "root_bwd": 2 * head, "optimizer": 0.0}
 
 
-def calibrated_compute(model, path):
+def calibrated_compute(model, path, args=None):
+    """Per-unit times measured on the device. With --tp, a TP rank's share of a unit for its
+    data-parallel rank's batch is the calibration's unit for batch_per_rank / tp sequences (the
+    calibration's "batch_per_rank", when it names one, scales it), and each block waits for its
+    TP all-reduces besides (tp_all_reduce_s, two in forward and two in backward)."""
     c = json.load(open(path))
-    fwd = {"block%d" % i: c["block_fwd_s"] for i in range(model.layers)}
-    bwd = {"block%d" % i: c["block_bwd_s"] for i in range(model.layers)}
-    return {"fwd": fwd, "bwd": bwd, "root_fwd": c["root_fwd_s"], "root_bwd": c["root_bwd_s"], "optimizer": c["other_s"]}
+    scale, ar = 1.0, 0.0
+    if args is not None and args.tp > 1:
+        work = args.batch_per_rank / args.tp
+        scale = work / c.get("batch_per_rank", work)
+        ar = tp_all_reduce_s(model, args)
+    fwd = {"block%d" % i: c["block_fwd_s"] * scale + 2 * ar for i in range(model.layers)}
+    bwd = {"block%d" % i: c["block_bwd_s"] * scale + 2 * ar for i in range(model.layers)}
+    return {"fwd": fwd, "bwd": bwd, "root_fwd": c["root_fwd_s"] * scale, "root_bwd": c["root_bwd_s"] * scale,
+            "optimizer": c["other_s"]}
 
 
 GIB = 1024.0 ** 3
@@ -408,7 +465,7 @@ def library_plan(args):
     the rows issue 26 adds, in bytes (fp32 and bf16 columns). None where fsdp-train is not built or
     predates the options."""
     exe = os.path.join(ROOT, "build", "bin", "fsdp-train")
-    if args.model not in PLANNED_PRESETS or not os.path.exists(exe):
+    if args.model not in PLANNED_PRESETS or not os.path.exists(exe) or args.tp > 1:
         return None
     cmd = [exe, "--plan", "--model", args.model, "--world-size", str(args.world), "--ranks-per-node", str(args.ranks_per_host),
            "--strategy", args.strategy, "--global-batch-size", str(args.batch_per_rank * args.world)] + issue26_flags(args)
@@ -443,9 +500,9 @@ def python_plan(model, args, compute_bytes, with_activations=True):
     staging copy, 2 F P, instead of a staging copy of the unit. On NCCL, where the library counts
     no staging, the planner adds the gathered records, F P: NCCL gathers into them, not into the
     unit's buffer."""
-    W, F = args.world, args.F
+    W, F, tp = args.world // args.tp, args.F, args.tp
     N = args.reshard_after_forward_to
-    root, block = padded(model.root_params, F), padded(model.block_params, F)
+    root, block = padded(model.root_params_local, F), padded(model.block_params_local, F)
     units = [root] + [block] * model.layers
     shard = sum(u // F for u in units)
     state = shard * 4 + shard * 4 + 2 * shard * 4   # parameters, gradients (fp32 master) and Adam's two moments
@@ -469,7 +526,10 @@ def python_plan(model, args, compute_bytes, with_activations=True):
         staging = 0
     tokens, d, T = args.batch_per_rank * model.seq, model.d, model.seq
     head_act = (tokens * d + 3 * tokens * model.vocab) * compute_bytes
-    per_block = 16 * tokens * d + args.batch_per_rank * model.heads * T * 4 // compute_bytes
+    if tp > 1:  # vocabulary-parallel: this rank's classes, the softmax kept in fp32 (models/gpt.cpp)
+        head_act = tokens * d * compute_bytes + 3 * tokens * (model.vocab // tp) * 4
+    # Split under TP: qkv's, the attention's, fc's and gelu's outputs (12 of the 16 per token).
+    per_block = 4 * tokens * d + 12 * tokens * d // tp + args.batch_per_rank * (model.heads // tp) * T * 4 // compute_bytes
     if args.activation_checkpointing:  # each block keeps its input; one block's again while recomputed
         activations = ((model.layers + 1) * tokens * d + per_block) * compute_bytes + head_act
     else:
@@ -479,7 +539,7 @@ def python_plan(model, args, compute_bytes, with_activations=True):
     unit_grads, reduce_buffer = block * compute_bytes, block * compute_bytes
     if root > block:
         unit_grads, reduce_buffer = root * compute_bytes, root * compute_bytes
-    root_grads = model.root_params * compute_bytes
+    root_grads = model.root_params_local * compute_bytes
     in_flight_max = 2 if F > 1 else 0                 # kMaxReductionsInFlight
     replica_buffer = max(units) // F * compute_bytes if F > 1 and W // F > 1 else 0
     n = max(1, model.layers)
@@ -497,7 +557,7 @@ def memory_plan(model, args):
     """Per-rank peak, fp32 and bf16 columns as fsdp-train --plan prints them (GiB), with issue 26's
     hpZ secondary shards and gather staging (quantized records when quantized) among it: the
     library's plan where fsdp-train is built, else its transcription above."""
-    if model.name not in PLANNED_PRESETS:
+    if model.name not in PLANNED_PRESETS and model.name != "70b":
         return None
     plans = library_plan(args)
     source = "fsdp-train --plan"
@@ -515,26 +575,33 @@ def plan(args):
     v, seq, L, heads, d, dff = MODELS[args.model]
     if args.seq:
         seq = args.seq
-    model = Model(args.model, v, seq, L, heads, d, dff, t5=args.model.startswith("t5"))
+    tp = args.tp
+    if tp < 1 or args.world % tp or (args.world > args.ranks_per_host and args.ranks_per_host % tp) or heads % tp \
+            or v % tp:
+        raise SystemExit("fsdp-plan: --tp %d must divide the world (%d), the ranks per host (%d), the heads (%d) and the "
+                         "vocabulary (%d)" % (tp, args.world, args.ranks_per_host, heads, v))
+    model = Model(args.model, v, seq, L, heads, d, dff, t5=args.model.startswith("t5"), tp=tp)
     if args.strategy in ("full_shard", "shard_grad_op"):
-        args.F = args.world
+        args.F = args.world // tp
     elif args.strategy == "no_shard":
         args.F = 1
     else:
-        args.F = args.shard_size or args.ranks_per_host
+        args.F = args.shard_size or max(1, args.ranks_per_host // tp)
     if args.hpz:
-        args.reshard_after_forward_to = args.ranks_per_host
+        args.reshard_after_forward_to = max(1, args.ranks_per_host // tp)
     check_issue26(args)
     net = Network(args.world, args.ranks_per_host, args.intra_gbs * 1e9, args.inter_gbs * 1e9, args.latency, args.backend,
                   args.framing, args.gloo_reduce_scatter)
-    compute = calibrated_compute(model, args.calibration) if args.calibration else flops_compute(model, args)
+    compute = calibrated_compute(model, args.calibration, args) if args.calibration else flops_compute(model, args)
     if args.activation_checkpointing:  # backward recomputes each block's forward first
         compute["bwd"] = {u: b + compute["fwd"][u] for u, b in compute["bwd"].items()}
     r = simulate(model, args, compute, net)
     tokens = args.batch_per_rank * model.seq
     flops = (3 * (model.layers * model.block_flops_per_token + model.head_flops_per_token)) * tokens
-    r.update({"model": args.model, "params": model.total_params(), "world": args.world, "F": args.F,
+    flops /= tp  # each TP rank computes its share of its data-parallel rank's batch
+    r.update({"model": args.model, "params": model.total_params(), "world": args.world, "F": args.F, "tp": tp,
               "strategy": args.strategy, "tflops_per_rank": flops / r["step_s"] / 1e12,
+              "tokens_per_s_per_gpu": tokens / tp / r["step_s"], "tp_all_reduce_s": tp_all_reduce_s(model, args),
               "gloo_reduce_scatter": args.gloo_reduce_scatter if args.backend == "gloo" else None,
               "reshard_after_forward_to": args.reshard_after_forward_to, "quantize_all_gather": args.quantize_all_gather,
               "memory_plan": memory_plan(model, args) if args.memory else None})
@@ -551,6 +618,7 @@ def parser():
     ap.add_argument("--strategy", default="full_shard",
                     choices=["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"])
     ap.add_argument("--shard-size", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a host (fsdp-train --tp)")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), help="a preset for the rates below")
     ap.add_argument("--tflops", type=float, default=1.0, help="compute throughput per rank, TFLOPS")
     ap.add_argument("--mfu", type=float, default=1.0, help="the share of --tflops a step's compute reaches")

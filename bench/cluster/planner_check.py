@@ -50,7 +50,7 @@ LEGACY_FLAGS = ["--gloo-reduce-scatter", "all_reduce"]
 # The calibration's loopback runs: this many ranks on one host (this machine).
 LOOPBACK_RANKS = 2
 # The planner's spelling of fsdp-train's issue-26 flags (the same names; --hpz alike).
-PLANNER_FLAGS = ("--gloo-reduce-scatter", "--reshard-after-forward-to", "--hpz", "--quantize-all-gather",
+PLANNER_FLAGS = ("--tp", "--gloo-reduce-scatter", "--reshard-after-forward-to", "--hpz", "--quantize-all-gather",
                  "--quantize-block")
 
 
@@ -290,6 +290,72 @@ def comm_check(path, model, batch, calib):
     return rows
 
 
+def tp_check(path, model, batch, calib):
+    """Issue 27's configurations, predicted against bench/cluster/run's part 4 (tp.json): step time
+    at 2 x 2 (20 and 100 Mbit/s) and bytes per host link at 1 Gbit/s. --batch-per-rank is per
+    data-parallel rank (its TP ranks share it)."""
+    measured = json.load(open(path))
+    configs = {label: (s, flags) for label, s, flags in cluster_run.TP_CONFIGS}
+
+    def dp_batch(flags):
+        tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
+        return batch // (4 // tp)
+
+    rows = []
+    for m in measured["bandwidth"]:
+        s, flags = configs[m["label"]]
+        rate = cluster_run.mbit(m["rate"])
+        p = predict(model, s, rate, calib, dp_batch(flags), flags)
+        rows.append({"kind": "step", "label": m["label"], "topology": "2 x 2", "link": "%d Mbit/s" % rate,
+                     "measured": m["step_ms_median"], "predicted": p["step_s"] * 1e3})
+    for t in measured["traffic"]:
+        s, flags = configs[t["label"]]
+        p = predict(model, s, 1000, calib, dp_batch(flags), flags)
+        rows.append({"kind": "bytes", "label": t["label"], "topology": "2 x 2", "link": "1000 Mbit/s",
+                     "measured": t["measured_tx"], "predicted": p["link_bytes"]})
+    for r in rows:
+        r["ratio"] = r["predicted"] / r["measured"]
+    return rows
+
+
+# Issue 27 at scale: a 70B-class GPT (fsdp_plan.MODELS["70b"]) on 256 H100s, 8 per host, as
+# torchtitan ran Llama 3.1 70B (benchmarks/llama3_h100_202412_torchtitan.md, Table 4: FSDP 32 x TP 8,
+# local batch 16 of 8192 tokens, full activation checkpointing, torch.compile and Float8: 829
+# tokens/s per GPU at 71.9 GiB; 876 with async TP).
+TORCHTITAN_70B = {"tps_per_gpu": 829, "tps_per_gpu_async_tp": 876, "memory_gib": 71.9}
+
+
+def tp_at_scale():
+    rows = []
+    for label, tp, batch in [("FSDP 32 x TP 8, local batch 16 (torchtitan's)", 8, 16),
+                             ("FSDP 32 x TP 8, local batch 2", 8, 2),
+                             ("FSDP 256 alone, batch 2 per GPU (16 per 8 GPUs)", 1, 2)]:
+        argv = ["--model", "70b", "--world", "256", "--ranks-per-host", "8", "--hardware", "h100-grand-teton",
+                "--batch-per-rank", str(batch), "--strategy", "full_shard", "--tp", str(tp), "--activation-checkpointing"]
+        args = fsdp_plan.apply_hardware(fsdp_plan.parser().parse_args(argv))
+        r = fsdp_plan.plan(args)
+        m = fsdp_plan.Model("70b", *fsdp_plan.MODELS["70b"], tp=tp)
+        mem = fsdp_plan.python_plan(m, args, 2)
+        rows.append({"label": label, "tp": tp, "batch": batch, "step_s": r["step_s"], "tps": r["tokens_per_s_per_gpu"],
+                     "tflops": r["tflops_per_rank"], "exposed_s": r["exposed_comm_s"], "link_bytes": r["link_bytes"],
+                     "tp_all_reduce_s": r["tp_all_reduce_s"], "memory_gib": mem["peak"] / fsdp_plan.GIB})
+    return rows
+
+
+def tp_at_scale_markdown(rows):
+    L = ["| 70B-class GPT (65.5 B), 256 H100s (8 per host, 400 GB/s per host), bf16, MFU 0.40, full activation "
+         "checkpointing | step | tokens/s per GPU | model TFLOPS per GPU | exposed fsdp comm | one TP all-reduce "
+         "| bytes per host link | per-rank memory (plan) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        L.append("| %s | %.2f s | %.0f | %.0f | %.2f s | %.1f ms | %.0f GB | %.1f GiB |" % (
+            r["label"], r["step_s"], r["tps"], r["tflops"], r["exposed_s"], r["tp_all_reduce_s"] * 1e3,
+            r["link_bytes"] / 1e9, r["memory_gib"]))
+    L.append("| torchtitan, Llama 3.1 70B, FSDP 32 x TP 8, local batch 16, Float8 + torch.compile (published) | | "
+             "%d (%d with async TP) | | | | | %.1f GiB |" % (TORCHTITAN_70B["tps_per_gpu"], TORCHTITAN_70B["tps_per_gpu_async_tp"],
+                                                             TORCHTITAN_70B["memory_gib"]))
+    return L
+
+
 def comm_markdown(rows):
     L = ["| issue 26 configuration | hosts x ranks | link | measured | predicted | predicted / measured |",
          "|---|---|---|---|---|---|"]
@@ -314,9 +380,16 @@ def main():
                     help="reuse a calibration (the measured dict printed as 'calibration: {...}', saved by every "
                          "calibrating run as OUT/calibration.json) instead of running the cluster; the drivable "
                          "rate is fitted again")
+    ap.add_argument("--tp-results", default=os.path.join(ROOT, "build", "bench-cluster", "tp.json"),
+                    help="bench/cluster/run's part 4 (issue 27); left out where it does not exist")
+    ap.add_argument("--tp-at-scale", action="store_true",
+                    help="print only the 70B table of issue 27 (FSDP 32 x TP 8 on 256 H100s; no cluster, no root)")
     ap.add_argument("--at-scale", action="store_true",
                     help="print only the 512-GPU table of issue 26's options (no cluster, no root)")
     a = ap.parse_args()
+    if a.tp_at_scale:
+        print("\n".join(tp_at_scale_markdown(tp_at_scale())))
+        return
     if a.at_scale:
         for gbs in AT_SCALE_LINKS:
             print("\n".join(at_scale_markdown(at_scale(inter_gbs=gbs))) + "\n")
@@ -364,8 +437,10 @@ def main():
         traffic_rows.append({"strategy": t["strategy"], "measured_tx": t["measured_tx"], "predicted": p["link_bytes"],
                              "ratio": p["link_bytes"] / t["measured_tx"]})
     comm_rows = comm_check(a.comm_results, model, batch, calib) if os.path.exists(a.comm_results) else None
+    tp_rows = tp_check(a.tp_results, model, batch, calib) if os.path.exists(a.tp_results) else None
     figs = paper_figures(a.out)
     res = {"calibration": calib, "step_time": rows, "traffic": traffic_rows, "paper": figs, "comm_features": comm_rows,
+           "tensor_parallel": tp_rows, "tensor_parallel_at_scale": tp_at_scale(),
            "measured_with": flags, "command": "bench/cluster/planner_check " + " ".join(sys.argv[1:])}
     json.dump(res, open(os.path.join(a.out, "planner.json"), "w"), indent=1)
     L = ["| strategy | link | measured step | predicted | predicted / measured |", "|---|---|---|---|---|"]
@@ -378,6 +453,9 @@ def main():
         L.append("| %s | %.1f KB | %.1f KB | %.2f |" % (r["strategy"], r["measured_tx"] / 1e3, r["predicted"] / 1e3, r["ratio"]))
     if comm_rows:
         L += [""] + comm_markdown(comm_rows)
+    if tp_rows:
+        L += [""] + [l.replace("issue 26 configuration", "issue 27 configuration") for l in comm_markdown(tp_rows)]
+    L += [""] + tp_at_scale_markdown(res["tensor_parallel_at_scale"])
     L += ["", "| figure | GPUs | variant | predicted TFLOPS/GPU | step | exposed communication |", "|---|---|---|---|---|---|"]
     for r in (r for r in figs if r["figure"] != "issue26"):
         variant = r.get("strategy") or ("prefetch" if r.get("prefetch") else ("no prefetch" if "prefetch" in r else ""))
