@@ -4,6 +4,8 @@
 // for bit; the clipping norm (over both dimensions) is held to local training's too.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include "dist_test_util.h"
 
 namespace {
@@ -82,6 +84,52 @@ TEST(TensorParallel, ParametersPerRankShrinkWithTp) {
   // Replicated parts (norms, position embedding, row-parallel biases) do not shrink with TP.
   EXPECT_LT(b, 0.6 * a);
   EXPECT_GT(b, 0.45 * a);
+}
+
+// Checkpoints by the original names and shapes: saved at TP 2 x DP 2 (FULL, fsdp-train's default
+// under --tp), resumed at TP 1 x DP 4, at W = 1, at TP 2 x DP 1 and at TP 4 x DP 1, each continuing
+// as the uninterrupted run did (within 1e-5: the reduction order changes with the layout); at the
+// same layout bit for bit. Python reads the whole tensors: their shapes are the model's, and they
+// are within 1e-4 of a checkpoint saved without TP at the same step (AdamW after 3 steps: the
+// noise floor between two data-parallel sizes is of the same order).
+TEST(TensorParallel, CheckpointsLoadAtAnyTpAndDataParallelSize) {
+  const std::string dir = fsdp_test::fresh_dir("tp-ckpt"), plain = fsdp_test::fresh_dir("tp-ckpt-plain");
+  const std::string common = "--model small --global-batch-size 12";
+  const auto whole = main_job(common + " --nproc-per-node 4 --tp 2 --save-dir " + dir + " --save-every 3", 6);
+  const std::string step3 = fsdp_test::step_dir(dir, 3);
+  for (const std::string launch : {"--nproc-per-node 4 --tp 2", "--nproc-per-node 4", "--nproc-per-node 1",
+                                   "--nproc-per-node 2 --tp 2", "--nproc-per-node 4 --tp 4"}) {
+    const auto resumed = main_job(common + " " + launch + " --resume " + step3, 6);
+    for (int s = 3; s < 6; ++s) {
+      if (launch == "--nproc-per-node 4 --tp 2") {
+        EXPECT_EQ(resumed.losses[s], whole.losses[s]) << launch << " step " << s;
+      } else {
+        EXPECT_NEAR(resumed.losses[s], whole.losses[s], 1e-5 * whole.losses[s]) << launch << " step " << s;
+      }
+    }
+  }
+  main_job(common + " --nproc-per-node 4 --checkpoint-kind full --save-dir " + plain, 3);
+  const std::string script = fsdp_test::temp_prefix("tp-ckpt") + ".py";
+  {
+    std::ofstream out(script);
+    out << "from safetensors.torch import load_file\n"
+        << "a = load_file('" << step3 << "/model/model.safetensors')\n"
+        << "b = load_file('" << fsdp_test::step_dir(plain, 3) << "/model/model.safetensors')\n"
+        << "assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())\n"
+        << "for k in a:\n"
+        << "    assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)\n"
+        << "    d = (a[k] - b[k]).abs().max().item()\n"
+        << "    assert d < 1e-4, (k, d)\n"
+        << "print('ok', len(a))\n";
+  }
+  const auto py = fsdp_test::sh(std::string(FSDP_PYTHON) + " " + script, 120);
+  EXPECT_EQ(py.exit_code, 0) << py.output;
+  EXPECT_NE(py.output.find("ok 28"), std::string::npos) << py.output;
+  // A kind that cannot place a split parameter's shards is refused, naming the one that can.
+  const auto sharded = fsdp_test::sh(fsdp_test::fsdp_train() + " " + common + " --nproc-per-node 4 --tp 2 --steps 1 "
+                                     "--checkpoint-kind sharded --save-dir " + fsdp_test::fresh_dir("tp-ckpt-sharded"), 120);
+  EXPECT_NE(sharded.exit_code, 0);
+  EXPECT_NE(sharded.output.find("save FULL checkpoints"), std::string::npos) << sharded.output;
 }
 
 // What cannot work is refused before anything trains, on every rank, saying why.

@@ -104,8 +104,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--checkpoint-kind", c.checkpoint_kind,
                  "sharded (each rank its pieces; reshardable; readable by torch.distributed.checkpoint), full (one "
-                 "file gathered by rank 0) or local (raw shards; same layout only)")
-      ->check(CLI::IsMember({"full", "sharded", "local"}));
+                 "file gathered by rank 0) or local (raw shards; same layout only); default: sharded, full with --tp "
+                 "(the only kind that puts a split parameter's parts together)")
+      ->check(CLI::IsMember({"auto", "full", "sharded", "local"}));
   app.add_flag("--async-save", c.async_save, "copy the state to host memory and write it on a background thread");
   app.add_option("--keep-last", c.keep_last, "keep only the newest K checkpoints (0: all)")->check(CLI::NonNegativeNumber);
   app.add_option("--resume", c.resume, "resume from this checkpoint folder, or from the newest one under this --save-dir");

@@ -63,7 +63,7 @@ struct Config {
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;      // save checkpoints under this folder
   int save_every = 0;        // every N steps (and after the last step); 0: only after the last step
-  std::string checkpoint_kind = "sharded";  // full, sharded or local
+  std::string checkpoint_kind = "auto";  // full, sharded or local; auto: sharded, full with --tp
   bool async_save = false;   // write on a background thread while training continues
   int keep_last = 0;         // keep the newest K checkpoints; 0: all
   std::string resume;        // a checkpoint folder, or a --save-dir folder (its newest checkpoint)

@@ -140,11 +140,8 @@ int train(const Config& c) {
     throw std::invalid_argument("--tp with --dropout: the TP ranks of a data-parallel group would draw different masks "
                                 "for the activations they hold alike; drop --dropout");
   }
-  if (c.tp > 1 && (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty() || !c.load_weights.empty())) {
-    throw std::invalid_argument("--tp: checkpoints of tensor-parallel runs are not written yet (each TP rank holds "
-                                "parts of the parameters); drop --save-dir, --resume, --export-full and --load-weights");
-  }
   const std::shared_ptr<fsdp::TensorParallel> tp = c.tp > 1 ? fsdp::TensorParallel::create(world, c.tp) : nullptr;
+  const std::string checkpoint_kind = c.checkpoint_kind != "auto" ? c.checkpoint_kind : tp ? "full" : "sharded";
   const std::shared_ptr<fsdp::Mesh> mesh = tp ? tp->data_parallel() : world;
   const int world_rank = world->rank();
   // Share the cores among the local ranks instead of oversubscribing them (a simulated rank is
@@ -281,9 +278,8 @@ int train(const Config& c) {
   // Where the run keeps what it made (run_folder.h): its checkpoint and the whole model, unless
   // --save-dir / --export-full name other places. A collective: rank 0 names it.
   const std::optional<RunFolder> run = plain || simulated ? std::nullopt : RunFolder::create(c, *world);
-  // Under --tp the run folder keeps the log and metrics, no checkpoint (refused above when asked for).
-  const std::string save_dir = !c.save_dir.empty() ? c.save_dir : run && !tp ? run->checkpoints() : "";
-  const std::string export_full = !c.export_full.empty() ? c.export_full : run && !tp ? run->model_file() : "";
+  const std::string save_dir = !c.save_dir.empty() ? c.save_dir : run ? run->checkpoints() : "";
+  const std::string export_full = !c.export_full.empty() ? c.export_full : run ? run->model_file() : "";
   fsdp::FullyShardedDataParallelBase* wrapped = trainee->wrapped();
   fsdp::ShardedGradScaler* scaler_ptr = scaler ? &*scaler : nullptr;
   if (!c.load_weights.empty()) fsdp::load_model_file(c.load_weights, *wrapped);
@@ -292,16 +288,17 @@ int train(const Config& c) {
   std::unique_ptr<fsdp::Checkpointer> checkpointer;
   if (!save_dir.empty()) {
     fsdp::CheckpointOptions co;
-    co.kind = fsdp::parse_state_dict_kind(c.checkpoint_kind);
+    // A TP model's checkpoints are FULL (its split parameters put together; they load at any TP).
+    co.kind = fsdp::parse_state_dict_kind(checkpoint_kind);
     co.keep_last = c.keep_last;
     co.async = c.async_save;
-    checkpointer = std::make_unique<fsdp::Checkpointer>(mesh, save_dir, co);
+    checkpointer = std::make_unique<fsdp::Checkpointer>(world, save_dir, co);  // every rank of the job
   }
 
   int start_step = 0;
   if (!c.resume.empty()) {
     // Rank 0 decides which checkpoint --resume names; every rank loads that one.
-    const auto found = fsdp::find_checkpoint(*mesh, c.resume);
+    const auto found = fsdp::find_checkpoint(*world, c.resume);
     if (!found) {
       throw std::invalid_argument("--resume " + c.resume + ": neither a checkpoint (no manifest.json) nor a folder of "
                                   "checkpoints (no complete, undamaged step-N/ inside)");
@@ -533,7 +530,7 @@ int train(const Config& c) {
       const int nproc = env.local_world_size == W ? W : 0;
       std::cout << "== saved in " << run->path() << "/\n";
       if (!last_checkpoint.empty()) {
-        std::cout << "   checkpoint " << last_checkpoint << " (" << c.checkpoint_kind << ", "
+        std::cout << "   checkpoint " << last_checkpoint << " (" << checkpoint_kind << ", "
                   << megabytes(bytes_under(last_checkpoint)) << ")\n";
       }
       std::cout << "   model      " << export_full << " (" << megabytes(bytes_under(export_full))

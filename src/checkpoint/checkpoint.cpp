@@ -42,6 +42,7 @@
 #include "checkpoint/safetensors.h"
 #include "wrap/sharded_root.h"
 #include "checkpoint/state_dict.h"
+#include "checkpoint/tensor_parallel_state.h"
 
 namespace fsdp {
 namespace {
@@ -220,8 +221,12 @@ nlohmann::json manifest_base(detail::ShardedRoot& root, StateDictKind kind, cons
   m["version"] = kManifestVersion;
   m["kind"] = to_string(kind);
   m["step"] = training.step;
-  m["world_size"] = root.comm().mesh().world_size;
+  // The job's ranks (data-parallel x tensor-parallel), whose generators the checkpoint holds, and
+  // fsdp's sharding factor over the data-parallel ones.
+  m["world_size"] = job_size(root);
   m["shard_size"] = root.comm().mesh().shard_size;
+  const TensorParallel* tp = tensor_parallel_of(root);
+  m["tensor_parallel"] = tp ? tp->size() : 1;
   m["strategy"] = to_string(root.options().strategy);
   m["mixed_precision"] = root.options().mixed_precision ? nlohmann::json(dtype_name(root.options().mixed_precision->param_dtype))
                                                         : nlohmann::json();
@@ -419,6 +424,21 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
   root.check_checkpointable("saving a checkpoint");
   const StateDictKind kind = impl_->options.kind;
   const MeshInfo& mi = root.comm().mesh();
+  if (const TensorParallel* tp = tensor_parallel_of(root)) {
+    // A split parameter's shard is a set of strided runs of the whole tensor, which SHARDED and
+    // LOCAL pieces (one range each) cannot place; FULL puts the parts together as it gathers.
+    if (kind != StateDictKind::FULL) {
+      throw std::invalid_argument("fsdp: saving a " + to_string(kind) + " checkpoint of a model split for tensor "
+                                  "parallelism (" + std::to_string(tp->size()) + " ranks): save FULL checkpoints "
+                                  "(CheckpointOptions::kind, fsdp-train --checkpoint-kind full); they load at any "
+                                  "TP and data-parallel size");
+    }
+  }
+  if (impl_->group->getSize() != job_size(root)) {
+    throw std::invalid_argument("fsdp: this Checkpointer was made on a mesh of " + std::to_string(impl_->group->getSize()) +
+                                " ranks and the model is trained by " + std::to_string(job_size(root)) +
+                                "; with tensor parallelism give it the job's mesh (TensorParallel::world())");
+  }
   RankState rs = collect_rank_state(root, optimizer);
   nlohmann::json manifest = manifest_base(root, kind, rs, state, scaler);
   const std::string final_path = dir_ + "/" + step_name(state.step);
@@ -552,7 +572,7 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
     if (optimizer) stage_optimizer(root, *optimizer, saved, manifest["optimizer"], staged);
     // After staging, which opened only the files holding this rank's elements: their sizes, and the
     // checksums of this rank's share of all files.
-    verify_files(path, manifest, mi.rank, mi.world_size, staged.files_read);
+    verify_files(path, manifest, job_rank(root), job_size(root), staged.files_read);
     if (scaler) {
       if (manifest["scaler"].is_null()) {
         throw std::runtime_error("fsdp: " + path + " holds no gradient scaler state (it was saved without one); "
@@ -561,15 +581,18 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
       scaler_state = GradScalerState{manifest["scaler"]["scale"].get<double>(),
                                               manifest["scaler"]["growth_tracker"].get<int64_t>()};
     }
-    const std::string me = std::to_string(mi.rank);
-    if (manifest["world_size"].get<int>() == mi.world_size && manifest.contains("rng") && manifest["rng"].contains(me)) {
+    // The generators go back to the ranks that saved them when the job has the same ranks.
+    const std::string me = std::to_string(job_rank(root));
+    const TensorParallel* tp = tensor_parallel_of(root);
+    if (manifest["world_size"].get<int>() == job_size(root) && manifest.value("tensor_parallel", 1) == (tp ? tp->size() : 1) &&
+        manifest.contains("rng") && manifest["rng"].contains(me)) {
       rng = StagedRng::check(manifest["rng"][me], path);
     }
     out.step = manifest["step"].get<int64_t>();
     out.user_json = manifest["training"].dump();
   });
   // Every rank must have read the same manifest (the same path, the same bytes).
-  const auto ids = all_gather_strings(mi.world_group, path + "\n" + manifest_id);
+  const auto ids = all_gather_strings(job_group(root), path + "\n" + manifest_id);
   for (size_t r = 1; r < ids.size() && err.empty(); ++r) {
     if (ids[r] != ids[0]) {
       err = "ranks read different manifests: rank 0 read " + ids[0].substr(0, ids[0].find('\n')) + " (" +
@@ -579,7 +602,7 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
             "system every rank sees the same";
     }
   }
-  agree(mi.world_group, err, "loading checkpoint " + path + " (nothing was changed)");
+  agree(job_group(root), err, "loading checkpoint " + path + " (nothing was changed)");
   apply(staged, optimizer);
   if (scaler_state) scaler->load_state(*scaler_state);
   rng.apply();
@@ -591,10 +614,9 @@ void export_full(const std::string& path, FullyShardedDataParallelBase& model) {
   root.check_checkpointable("export_full");
   const RankState rs = collect_rank_state(root, nullptr);
   const std::string tmp = path + ".tmp";
-  const int rank = root.comm().mesh().rank;
   std::string err = error_of([&] { write_full_model_file(tmp, root, rs); });
-  if (rank == 0 && err.empty()) err = error_of([&] { rename_path(tmp, path); });
-  agree(root.comm().mesh().world_group, err, "exporting " + path);
+  if (writes_whole(root) && err.empty()) err = error_of([&] { rename_path(tmp, path); });
+  agree(job_group(root), err, "exporting " + path);
 }
 
 void load_model_file(const std::string& path, FullyShardedDataParallelBase& model) {
@@ -635,21 +657,25 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
       stage_model(root, saved_from_safetensors(path), staged);
     }
   });
-  agree(root.comm().mesh().world_group, err, "loading " + path + " (nothing was changed)");
+  agree(job_group(root), err, "loading " + path + " (nothing was changed)");
   apply(staged, nullptr);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedDataParallelBase& model, bool rank0_only) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
   root.check_checkpointable("full_state_dict");
-  const bool keep = !rank0_only || root.comm().mesh().rank == 0;
+  const bool keep = !rank0_only || writes_whole(root);
   std::vector<std::pair<std::string, at::Tensor>> out;
   gather_units(
       root,
       shard_slice,
       [&](const Unit& u, const at::Tensor& full) {
-        if (!keep) return;
-        for (const auto& e : u.handle().layout().entries()) out.emplace_back(e.fqn, view_of_param(full, e).clone());
+        const FlatParamHandle& h = u.handle();
+        for (size_t i = 0; i < h.layout().entries().size(); ++i) {
+          // Under TP every rank that received the unit puts its parameters together (collective).
+          const at::Tensor whole = whole_of(h, i, view_of_param(full, h.layout().entries()[i]));
+          if (keep) out.emplace_back(h.layout().entries()[i].fqn, split_placement(h, i) ? whole : whole.clone());
+        }
       },
       rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
   if (keep) {
@@ -663,6 +689,11 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedData
 std::vector<std::pair<std::string, ShardedTensor>> sharded_state_dict(FullyShardedDataParallelBase& model) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
   root.check_checkpointable("sharded_state_dict");
+  if (const TensorParallel* tp = tensor_parallel_of(root)) {
+    throw std::invalid_argument("fsdp: sharded_state_dict of a model split for tensor parallelism (" +
+                                std::to_string(tp->size()) + " ranks): a rank's piece of a split parameter is not one "
+                                "range of the whole tensor; use full_state_dict");
+  }
   std::vector<std::pair<std::string, ShardedTensor>> out;
   for (const StatePiece& p : collect_rank_state(root, nullptr).pieces) {
     out.emplace_back(p.key, ShardedTensor{p.shape, p.flat_begin, p.local});

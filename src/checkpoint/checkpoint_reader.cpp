@@ -1,4 +1,5 @@
 #include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/tensor_parallel_state.h"
 
 #include <sys/stat.h>
 
@@ -243,6 +244,18 @@ SavedTensors saved_from_memory(const std::string& origin, const std::map<std::st
   return s;
 }
 
+// Elements [begin, begin + into.numel()) of saved tensor `name`, or of this rank's part of it when
+// the parameter is split for tensor parallelism.
+void read_into(PieceReader& reader, const std::string& name, const std::optional<TensorParallelPlacement>& split,
+               int64_t begin, at::Tensor into) {
+  if (!split) {
+    reader.read(name, begin, into);
+    return;
+  }
+  read_part([&](int64_t whole_begin, at::Tensor run) { reader.read(name, whole_begin, run); }, split->full_shape,
+            split->shard, split->tp->rank(), split->tp->size(), begin, into);
+}
+
 void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoad& out) {
   at::NoGradGuard no_grad;
   PieceReader reader(saved, out.files_read);
@@ -262,7 +275,15 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
     }
     return found;
   };
-  std::vector<std::pair<const std::string*, std::pair<at::Tensor, int64_t>>> reads;  // saved name, dest, begin
+  // What to read: elements [begin, begin + dest.numel()) of the saved tensor `name`, or, for a
+  // parameter split for tensor parallelism, of this rank's part of it (tensor_parallel_state.h).
+  struct Read {
+    const std::string* name;
+    at::Tensor dest;
+    int64_t begin;
+    std::optional<TensorParallelPlacement> split;
+  };
+  std::vector<Read> reads;
   // Every name of each parameter: a tied weight may be saved under any of them (Python's
   // safetensors.torch.save_model keeps one name of a tied pair, not necessarily the first).
   std::map<const c10::TensorImpl*, std::vector<std::string>> names_of;
@@ -278,9 +299,9 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
           break;
         }
       }
-      const std::string* name = check(live, e.shape);
+      const std::string* name = check(live, whole_shape(h, i));
       if (!name) continue;
-      reads.push_back({name, {shard_slice(*unit, i), h.slices()[i].param_begin}});
+      reads.push_back({name, shard_slice(*unit, i), h.slices()[i].param_begin, split_placement(h, i)});
     }
   }
   // A tied weight's other names may also be in the file (Python's state_dict lists every name).
@@ -290,7 +311,7 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
   for (const auto& b : root.module().named_buffers(true)) {
     if (!b.value().defined()) continue;
     const std::string* name = check(b.key(), b.value().sizes().vec());
-    if (name) reads.push_back({name, {b.value().detach(), 0}});
+    if (name) reads.push_back({name, b.value().detach(), 0, std::nullopt});
   }
   std::vector<std::string> unexpected;
   for (const auto& [name, shape] : saved.shapes) {
@@ -303,10 +324,10 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
     if (!mismatched.empty()) why += " shapes differ for " + list(mismatched) + ";";
     fail(saved.origin, why + " (a checkpoint of another model or configuration?)");
   }
-  for (auto& [name, dest] : reads) {
-    at::Tensor staged = at::empty({dest.first.numel()}, dest.first.options().device(c10::kCPU));
-    reader.read(*name, dest.second, staged);
-    out.copies.emplace_back(dest.first, staged);
+  for (auto& r : reads) {
+    at::Tensor staged = at::empty({r.dest.numel()}, r.dest.options().device(c10::kCPU));
+    read_into(reader, *r.name, r.split, r.begin, staged);
+    out.copies.emplace_back(r.dest, staged);
   }
 }
 
@@ -394,7 +415,7 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
           if (!saved.pieces.count(name)) continue;
           // Read on the CPU (pread), then moved to the parameter's device.
           at::Tensor t = at::empty({sl.length}, param.options().device(c10::kCPU));
-          reader.read(name, sl.param_begin, t);
+          read_into(reader, name, split_placement(h, i), sl.param_begin, t);
           st.tensors[key] = t.view(param.sizes()).to(param.device());
         }
       }

@@ -1,4 +1,5 @@
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/tensor_parallel_state.h"
 
 #include <csignal>
 #include <cstdio>
@@ -201,11 +202,14 @@ class GatheredFile {
 void write_gathered_model(const std::string& path, const std::string& rel, detail::ShardedRoot& root,
                           const RankState& state, std::map<std::string, std::string> metadata, WrittenPart& part,
                           std::string& error) {
-  GatheredFile out(root.mesh().rank() == 0, error);
+  // Under tensor parallelism the job's rank 0 writes, each split parameter put together from its
+  // TP group's parts (whole_of: the TP group of every data-parallel rank 0 gathers alike).
+  GatheredFile out(writes_whole(root), error);
   std::vector<SafetensorsEntry> entries;
   for (const auto& unit : root.unit_list()) {
-    for (const auto& e : unit->handle().layout().entries()) {
-      entries.push_back({e.fqn, unit->handle().dtypes().master, e.shape});
+    const FlatParamHandle& h = unit->handle();
+    for (size_t i = 0; i < h.layout().entries().size(); ++i) {
+      entries.push_back({h.layout().entries()[i].fqn, h.dtypes().master, whole_shape(h, i)});
     }
   }
   std::vector<const StatePiece*> buffers;
@@ -226,14 +230,17 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
           first = false;
           maybe_killed_for_test(root.mesh().rank());
         }
-        out.attempt([&] {
-          for (const auto& e : u.handle().layout().entries()) {
-            w->write_next(view_of_param(full, e));
-            nlohmann::json piece = piece_json(e.fqn, 0, e.numel, 0);
+        const FlatParamHandle& h = u.handle();
+        for (size_t i = 0; i < h.layout().entries().size(); ++i) {
+          const auto& e = h.layout().entries()[i];
+          const at::Tensor whole = whole_of(h, i, view_of_param(full, e));  // collective under TP
+          out.attempt([&] {
+            w->write_next(whole);
+            nlohmann::json piece = piece_json(e.fqn, 0, whole.numel(), 0);
             piece["file"] = rel;
             part["pieces"][e.fqn].push_back(piece);
-          }
-        });
+          });
+        }
       },
       GatherTo::TO_RANK0);
   out.attempt([&] {
@@ -278,12 +285,14 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
       }
     }
   }
-  GatheredFile out(root.mesh().rank() == 0, error);
+  GatheredFile out(writes_whole(root), error);
   std::vector<SafetensorsEntry> entries;
   for (const std::string& key : keys) {
     for (const auto& unit : root.unit_list()) {
-      for (const auto& e : unit->handle().layout().entries()) {
-        if (has[key].count(e.fqn)) entries.push_back({"state." + e.fqn + "." + key, unit->handle().dtypes().master, e.shape});
+      const FlatParamHandle& h = unit->handle();
+      for (size_t i = 0; i < h.layout().entries().size(); ++i) {
+        const auto& e = h.layout().entries()[i];
+        if (has[key].count(e.fqn)) entries.push_back({"state." + e.fqn + "." + key, h.dtypes().master, whole_shape(h, i)});
       }
     }
   }
@@ -300,16 +309,19 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
           return it == local.end() ? at::Tensor() : it->second;
         },
         [&](const Unit& u, const at::Tensor& full) {
-          out.attempt([&] {
-            for (const auto& e : u.handle().layout().entries()) {
-              if (!has[key].count(e.fqn)) continue;
-              const std::string name = "state." + e.fqn + "." + key;
-              w->write_next(view_of_param(full, e));
-              nlohmann::json piece = piece_json(name, 0, e.numel, 0);
+          const FlatParamHandle& h = u.handle();
+          for (size_t i = 0; i < h.layout().entries().size(); ++i) {
+            const auto& e = h.layout().entries()[i];
+            if (!has[key].count(e.fqn)) continue;
+            const std::string name = "state." + e.fqn + "." + key;
+            const at::Tensor whole = whole_of(h, i, view_of_param(full, e));  // collective under TP
+            out.attempt([&] {
+              w->write_next(whole);
+              nlohmann::json piece = piece_json(name, 0, whole.numel(), 0);
               piece["file"] = rel;
               part["pieces"][name].push_back(piece);
-            }
-          });
+            });
+          }
         },
         GatherTo::TO_RANK0);
   }

@@ -178,6 +178,11 @@ void validate_manifest(const json& m, const std::string& origin) {
   const int64_t W = c.integer(c.field(m, "", "world_size"), "world_size", 1, 1 << 24);
   const int64_t F = c.integer(c.field(m, "", "shard_size"), "shard_size", 1, W);
   if (W % F != 0) c.bad("shard_size", "is " + std::to_string(F) + ", which does not divide world_size " + std::to_string(W));
+  if (m.contains("tensor_parallel")) {  // version 2 manifests from issue 27 on; absent: 1
+    const int64_t tp = c.integer(m["tensor_parallel"], "tensor_parallel", 1, W);
+    if (W % (tp * F) != 0) c.bad("tensor_parallel", "is " + std::to_string(tp) + ": world_size " + std::to_string(W) +
+                                                        " is not a multiple of tensor_parallel x shard_size");
+  }
   c.string(c.field(m, "", "strategy"), "strategy");
   const json& mp = c.field(m, "", "mixed_precision");
   if (!mp.is_null()) c.string(mp, "mixed_precision");

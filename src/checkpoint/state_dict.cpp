@@ -4,6 +4,7 @@
 #include <set>
 
 #include "checkpoint/safetensors.h"
+#include "checkpoint/tensor_parallel_state.h"
 
 namespace fsdp {
 
@@ -88,7 +89,7 @@ nlohmann::json describe_model_state(detail::ShardedRoot& root) {
     for (size_t i = 0; i < h.layout().entries().size(); ++i) {
       const auto& e = h.layout().entries()[i];
       names.push_back(e.fqn);
-      params[e.fqn] = {{"shape", e.shape}, {"dtype", safetensors_dtype(h.dtypes().master)}, {"unit", unit->index()},
+      params[e.fqn] = {{"shape", whole_shape(h, i)}, {"dtype", safetensors_dtype(h.dtypes().master)}, {"unit", unit->index()},
                        {"aliases", nlohmann::json::array()}};
       first[h.params()[i].unsafeGetTensorImpl()] = e.fqn;
     }

@@ -184,8 +184,9 @@ at::Tensor gather_last_dim(const at::Tensor& logits, const at::Tensor& weight) {
   TORCH_CHECK(!at::GradMode::is_enabled() || !logits.requires_grad(),
               "fsdp::gather_last_dim is for evaluation: call it under torch::NoGradGuard");
   const at::Tensor mine = logits.contiguous();
+  at::Tensor flat = mine.reshape({-1});
   at::Tensor all = at::empty({tp->size() * mine.numel()}, mine.options());
-  tp->group(mine.device().type())->_allgather_base(all, const_cast<at::Tensor&>(mine))->wait();
+  tp->group(mine.device().type())->_allgather_base(all, flat)->wait();
   std::vector<int64_t> stacked = {tp->size()};
   for (int64_t s : mine.sizes()) stacked.push_back(s);
   const at::Tensor byrank = all.view(stacked);

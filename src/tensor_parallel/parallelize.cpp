@@ -82,8 +82,9 @@ at::Tensor tensor_parallel_whole(const at::Tensor& part, const TensorParallelPla
   const auto& tp = *placement.tp;
   const int64_t dim = placement.shard.dim, parts = placement.shard.parts;
   const at::Tensor mine = part.contiguous();
+  at::Tensor flat = mine.reshape({-1});  // Gloo's all-gather wants the output as the inputs side by side
   at::Tensor all = at::empty({tp.size() * mine.numel()}, mine.options());
-  auto work = tp.group(mine.device().type())->_allgather_base(all, const_cast<at::Tensor&>(mine));
+  auto work = tp.group(mine.device().type())->_allgather_base(all, flat);
   work->wait();
   // all = [size, *local_shape]; rank r's slice of part p sits at p * part + r * slice.
   std::vector<int64_t> local = mine.sizes().vec();

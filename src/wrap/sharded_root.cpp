@@ -227,14 +227,6 @@ void ShardedRoot::check_checkpointable(const char* what) {
                                 "supported; for now save this model's state with your own code (each rank its own "
                                 "rows of an ignored table).");
   }
-  if (options_.tensor_parallel && options_.tensor_parallel->size() > 1) {
-    // Each TP rank's fsdp holds shards of its parts: a checkpoint by the original names and shapes
-    // needs the parts put together across the TP group, which fsdp's checkpoints do not do yet.
-    // Refused rather than written as parts under whole names, which would load wrong.
-    throw std::invalid_argument(std::string("fsdp: ") + what + ": the model is split for tensor parallelism "
-                                "(Options::tensor_parallel of " + std::to_string(options_.tensor_parallel->size()) +
-                                " ranks), and checkpoints of tensor-parallel models are not supported yet: refused");
-  }
   TORCH_CHECK(!summoned_, "fsdp: ", what, " cannot run inside a summon_full_params scope; end it first");
   TORCH_CHECK(runtime_->at_rest(), "fsdp: ", what, " must be called outside forward and backward, not between a "
                                    "forward and its backward");
