@@ -142,6 +142,15 @@ TEST(Misuse, ClearErrorsInsteadOfWrongResults) {
       EXPECT_TRUE(j["ignored_grad_whole"].get<bool>()) << what;
       EXPECT_EQ(j["ignored_listed"].get<int>(), j["unique_parameters"].get<int>()) << "still in parameters(); " << what;
       EXPECT_NE(j["ignored_checkpoint"].get<std::string>().find("ignores"), std::string::npos) << what;
+      // Tensor parallelism: plans that cannot apply, and a split model fsdp would train wrong.
+      EXPECT_NE(j["tp_rule_matches_nothing"].get<std::string>().find("matches no parameter"), std::string::npos) << what;
+      EXPECT_NE(j["tp_not_divisible"].get<std::string>().find("does not divide it"), std::string::npos) << what;
+      EXPECT_NE(j["tp_twice"].get<std::string>().find("split already"), std::string::npos) << what;
+      EXPECT_NE(j["tp_without_option"].get<std::string>().find("Options::tensor_parallel is not set"), std::string::npos) << what;
+      EXPECT_NE(j["tp_over_world"].get<std::string>().find("wrap the model over tensor_parallel->data_parallel()"),
+                std::string::npos) << what;
+      EXPECT_NE(j["tp_sharded_state_dict"].get<std::string>().find("use full_state_dict"), std::string::npos) << what;
+      EXPECT_EQ(j["tp_local_rows"].get<int64_t>() * 2, j["tp_whole_rows"].get<int64_t>() * 32) << what;
     }
   }
 }

@@ -9,6 +9,7 @@
 //   fsdp::parallelize(*model, tp, models::gpt_tensor_parallel_plan());  // keeps this rank's parts
 //   fsdp::Options opts;  opts.tensor_parallel = tp;  ...
 //   fsdp::FullyShardedDataParallel fsdp_model(model, tp->data_parallel(), opts);
+//   fsdp::Checkpointer ckpt(tp->world(), "ckpt", {fsdp::StateDictKind::FULL});  // whole tensors
 //
 // A model takes part in three ways. (1) A plan, applied once after construction, names which
 // parameters are split and along which dimension (column-parallel: a Linear's output features,
@@ -19,7 +20,11 @@
 // vocab_parallel_embedding (plain calls when the parameter is not split: the same model trains
 // with and without TP) and reads head counts from the local shapes. (3) The loss of split logits
 // is vocab_parallel_cross_entropy. Parameters no rule names are replicated: every TP rank holds
-// them whole and computes the same gradient for them.
+// them whole and computes the same gradient for them. Every TP rank builds the model whole from
+// the same seed before the plan, so each starts from local training's values. Checkpoints of a
+// split model hold every tensor whole under its original name (FULL kind; docs/checkpoints.md).
+// Not supported with TP: dropout inside the model (masks would differ across the TP ranks),
+// deferred initialization, sequence parallelism.
 #pragma once
 
 #include <cstdint>

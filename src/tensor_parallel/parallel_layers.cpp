@@ -140,7 +140,11 @@ at::Tensor column_parallel(const at::Tensor& x, const at::Tensor& weight, const 
   return at::linear(CopyToRegion::apply(x, key_of(p->tp)), weight, bias);
 }
 
+// Not split: the module's own forward, whose arithmetic (libtorch's F::linear: matmul, then the
+// bias added in place, for inputs of more than two dimensions) differs in its last bits from
+// at::linear's fused one; a model without a plan computes exactly what it computed before.
 at::Tensor column_parallel(torch::nn::Linear& linear, const at::Tensor& x) {
+  if (!active(linear->weight)) return linear->forward(x);
   return column_parallel(x, linear->weight, linear->bias);
 }
 
@@ -156,6 +160,7 @@ at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& weight, const at:
 }
 
 at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x) {
+  if (!active(linear->weight)) return linear->forward(x);
   return row_parallel(x, linear->weight, linear->bias);
 }
 

@@ -113,6 +113,39 @@ json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     out["ignored_listed"] = static_cast<int>(sharded.parameters().size());
     out["ignored_checkpoint"] = error_of([&] { fsdp::full_state_dict(sharded); });
   }
+  {  // tensor parallelism (fsdp/tensor_parallel.h): a plan and a wrapper that cannot agree
+    auto tp = fsdp::TensorParallel::create(mesh, mesh->world_size());  // TP over every rank, DP 1
+    auto split = [&] {
+      auto model = fresh();
+      fsdp::parallelize(*model, tp, models::gpt_tensor_parallel_plan());
+      return model;
+    };
+    out["tp_rule_matches_nothing"] = error_of([&] {
+      auto model = fresh();
+      fsdp::parallelize(*model, tp, {{"blocks.*.attn.qkvx.weight", {0, 1}}});
+    });
+    out["tp_not_divisible"] = error_of([&] {
+      auto model = fresh();
+      fsdp::parallelize(*model, tp, {{"ln_f.weight", {0, 3}}});
+    });
+    out["tp_twice"] = error_of([&] {
+      auto model = split();
+      fsdp::parallelize(*model, tp, models::gpt_tensor_parallel_plan());
+    });
+    out["tp_without_option"] = error_of([&] { fsdp::FullyShardedDataParallel sharded(split(), tp->data_parallel(), opts); });
+    fsdp::Options with = opts;
+    with.tensor_parallel = tp;
+    out["tp_over_world"] = error_of([&] { fsdp::FullyShardedDataParallel sharded(split(), mesh, with); });
+    auto model = split();
+    fsdp::FullyShardedDataParallel sharded(model, tp->data_parallel(), with);
+    out["tp_sharded_state_dict"] = error_of([&] { fsdp::sharded_state_dict(sharded); });
+    // The split weight holds this rank's rows; the whole model's state dict has them all.
+    out["tp_local_rows"] = model->tok_emb->weight.numel();
+    const auto whole = fsdp::full_state_dict(sharded, /*rank0_only=*/false);
+    for (const auto& [name, t] : whole) {
+      if (name == "tok_emb.weight") out["tp_whole_rows"] = t.size(0);
+    }
+  }
   out["rank"] = rank;
   return out;
 }
