@@ -10,6 +10,7 @@
 #include "fsdp/deferred_init.h"
 #include "fsdp/mesh.h"
 #include "fsdp/plan.h"
+#include "fsdp/tensor_parallel.h"
 #include "workload.h"
 
 namespace train {
@@ -21,22 +22,29 @@ int plan(const Config& c) {
   const int W = c.plan_world;
   // Rank 0 of the planned job, alone and with stand-in collectives: a model with model-parallel
   // parts (the DHEN's embedding rows) is built as that rank holds it.
-  const auto mesh = fsdp::Mesh::simulated(W, 0, 1);
+  // With --tp, its TP group splits the model (the plan of TP rank 0), and fsdp shards over the
+  // W / TP data-parallel ranks, W / TP / hosts per host.
+  const auto mesh = fsdp::Mesh::simulated(W, 0, c.tp > 1 ? std::min(c.plan_local, W) : 1);
+  const auto tp = c.tp > 1 ? fsdp::TensorParallel::create(mesh, c.tp) : nullptr;
+  const int dp = W / c.tp, dp_local = c.tp > 1 ? std::max(1, std::min(c.plan_local, W) / c.tp) : c.plan_local;
   const auto t0 = std::chrono::steady_clock::now();
   auto model = fsdp::meta_init([&] { return workload->build(mesh); });
+  if (tp) fsdp::parallelize(*model, tp, workload->tensor_parallel_plan());
   const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // Activations of one rank's micro-batch, in the compute dtype of each plan.
-  const int64_t micro_batch = std::max<int64_t>(1, c.global_batch / W / std::max(1, c.grad_accum));
+  // Activations of one rank's micro-batch (a data-parallel rank's, which its TP ranks share), in
+  // the compute dtype of each plan.
+  const int64_t micro_batch = std::max<int64_t>(1, c.global_batch / dp / std::max(1, c.grad_accum));
   fsdp::Options opts = fsdp_options(c);
   std::vector<fsdp::MemoryPlan> plans;
   opts.mixed_precision.reset();
   workload->configure(opts, *model, micro_batch, 4, c.activation_checkpointing);
-  plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
+  plans.push_back(fsdp::plan_memory(*model, dp, opts, dp_local));
   opts.mixed_precision = fsdp::MixedPrecision{};  // bf16 compute and reduce, fp32 master
   workload->configure(opts, *model, micro_batch, 2, c.activation_checkpointing);
-  plans.push_back(fsdp::plan_memory(*model, W, opts, c.plan_local));
+  plans.push_back(fsdp::plan_memory(*model, dp, opts, dp_local));
   std::cout << "fsdp-train --plan: " << workload->name() << " (" << workload->num_parameters() / 1e9
-            << " B parameters), global batch " << workload->batch_text(c.global_batch) << " ("
+            << " B parameters)" << (tp ? ", TP " + std::to_string(c.tp) + " x DP " + std::to_string(dp) : std::string())
+            << ", global batch " << workload->batch_text(c.global_batch) << " ("
             << micro_batch << " per rank and micro-batch), built with meta_init in " << build_s
             << " s, nothing allocated\n\n"
             << fsdp::format_plans(plans) << std::endl;

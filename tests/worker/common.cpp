@@ -45,6 +45,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--quantize-block") a.quantize_block = std::stoi(v);
     else if (k == "--hpz") a.hpz = std::stoi(v);
     else if (k == "--gloo-reduce-scatter") a.gloo_reduce_scatter = v;
+    else if (k == "--tp") a.tp = std::stoi(v);
     else throw std::invalid_argument("unknown flag " + k);
   }
   return a;

@@ -18,6 +18,7 @@ const std::map<std::string, Mode>& modes() {
       {"summon", run_summon},       {"checkpoint", run_checkpoint},
       {"recompute", run_recompute}, {"holes", run_holes},
       {"checkpoint_hostile", run_checkpoint_hostile}, {"wire", run_wire},
+      {"tensor_parallel", run_tensor_parallel},
   };
   return table;
 }
