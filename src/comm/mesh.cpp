@@ -273,6 +273,7 @@ std::shared_ptr<Mesh> MeshState::sub_mesh(const std::string& name, int rank, int
   sub->gloo_interface = gloo_interface;
   sub->simulated = simulated;
   sub->device_rank = device_rank >= 0 ? device_rank : env.local_rank;
+  sub->host_processes = processes_per_host();
   sub->store = c10::make_intrusive<c10d::PrefixStore>("fsdp/sub/" + name, store);
   sub->world = sub->make_group("world", rank, size, c10::DeviceType::CPU);
   return std::shared_ptr<Mesh>(new Mesh(std::move(sub)));

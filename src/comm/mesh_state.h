@@ -41,6 +41,10 @@ struct MeshState {
   // The GPU of this process (LOCAL_RANK's): a sub-mesh's env numbers its ranks in the sub-mesh, not
   // on the host, so it keeps its parent's.
   int device_rank = -1;
+  // The processes on this host (its share of the host's memory): a sub-mesh's env counts only its
+  // own ranks per host, its parent's process count is the host's. 0: env.local_world_size.
+  int host_processes = 0;
+  int processes_per_host() const { return host_processes > 0 ? host_processes : env.local_world_size; }
   std::map<std::pair<int, int>, ShardGroups> groups;  // (F, device type) -> groups
   std::map<std::pair<int, int>, GroupPtr> secondary_groups;  // (N, device type) -> hpZ group
   std::map<const c10d::Backend*, std::shared_ptr<RingReduceScatter>> rings;  // one per Gloo group

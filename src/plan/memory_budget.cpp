@@ -191,7 +191,9 @@ std::string explain_over_budget(torch::nn::Module& model, const MemoryPlan& plan
 
 void check_memory_budget(torch::nn::Module& model, Mesh& mesh, const Options& options, c10::Device device) {
   const int local_world_size = mesh.env().local_world_size;
-  int64_t budget = memory_budget_bytes(options, device, local_world_size);
+  // The host's memory is shared by all its processes (a tensor-parallel job's data-parallel mesh
+  // counts only its own ranks per host).
+  int64_t budget = memory_budget_bytes(options, device, detail::MeshState::of(mesh).processes_per_host());
   const int W = mesh.world_size();
   if (W > 1) {
     auto t = at::full({1}, budget, at::kLong);

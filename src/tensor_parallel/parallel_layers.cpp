@@ -180,6 +180,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   if (!tp) return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   const auto p = tensor_parallel_placement(weight);
   TORCH_CHECK(p->shard.parts == 1 && p->shard.dim == 0, "fsdp: vocab_parallel_cross_entropy needs a weight split by rows");
+  // A target outside the classes would be "on no rank" and count as a logit of 0, silently: refused
+  // (cross_entropy's ignore_index, -100, is not supported here). One check, one device sync.
+  const int64_t classes = logits.size(-1) * tp->size();
+  TORCH_CHECK(!targets.lt(0).logical_or(targets.ge(classes)).any().item<bool>(),
+              "fsdp::vocab_parallel_cross_entropy: every target must be a class in [0, ", classes,
+              "); ignore_index is not supported");
   return SplitCrossEntropy::apply(logits, targets, tp->rank() * logits.size(-1), key_of(tp));
 }
 
