@@ -53,8 +53,12 @@ int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t
   // ln_f's output (tokens x d) and log_softmax's output (tokens x vocab), and while the loss's
   // backward runs, the gradients of the log-probabilities and of the logits beside it.
   const int64_t tokens = batch * seq_len;
-  // Vocabulary-parallel: this rank's classes, the softmax saved in fp32 and its gradient beside it.
-  if (tensor_parallel > 1) return tokens * d_model * element_size + 3 * tokens * (vocab_size / tensor_parallel) * 4;
+  // Vocabulary-parallel (fsdp::vocab_parallel_cross_entropy): of this rank's classes, two fp32
+  // arrays at once (the softmax and, in forward, the fp32 logits or, in backward, the gradient)
+  // and, in a half compute dtype, the logits or their gradient beside them.
+  if (tensor_parallel > 1) {
+    return tokens * d_model * element_size + tokens * (vocab_size / tensor_parallel) * (8 + (element_size == 4 ? 0 : element_size));
+  }
   return (tokens * d_model + 3 * tokens * vocab_size) * element_size;
 }
 

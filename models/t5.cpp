@@ -54,8 +54,10 @@ int64_t T5Config::head_activation_bytes(int64_t batch, int64_t tgt_len, int64_t 
   // The final norm's output and its scaled copy (tokens x d), the log-softmax's output (tokens x
   // vocab) and, while the loss's backward runs, the gradients of the log-probabilities and logits.
   const int64_t tokens = batch * tgt_len;
-  // Vocabulary-parallel: this rank's classes, the softmax saved in fp32 and its gradient beside it.
-  if (tensor_parallel > 1) return 2 * tokens * d_model * element_size + 3 * tokens * (vocab_size / tensor_parallel) * 4;
+  // Vocabulary-parallel: as models::GPTConfig::head_activation_bytes counts it.
+  if (tensor_parallel > 1) {
+    return 2 * tokens * d_model * element_size + tokens * (vocab_size / tensor_parallel) * (8 + (element_size == 4 ? 0 : element_size));
+  }
   return (2 * tokens * d_model + 3 * tokens * vocab_size) * element_size;
 }
 

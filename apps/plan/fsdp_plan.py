@@ -526,8 +526,8 @@ def python_plan(model, args, compute_bytes, with_activations=True):
         staging = 0
     tokens, d, T = args.batch_per_rank * model.seq, model.d, model.seq
     head_act = (tokens * d + 3 * tokens * model.vocab) * compute_bytes
-    if tp > 1:  # vocabulary-parallel: this rank's classes, the softmax kept in fp32 (models/gpt.cpp)
-        head_act = tokens * d * compute_bytes + 3 * tokens * (model.vocab // tp) * 4
+    if tp > 1:  # vocabulary-parallel: this rank's classes, two fp32 arrays and a half one (models/gpt.cpp)
+        head_act = tokens * d * compute_bytes + tokens * (model.vocab // tp) * (8 + (0 if compute_bytes == 4 else compute_bytes))
     # Split under TP: qkv's, the attention's, fc's and gelu's outputs (12 of the 16 per token).
     per_block = 4 * tokens * d + 12 * tokens * d // tp + args.batch_per_rank * (model.heads // tp) * T * 4 // compute_bytes
     if args.activation_checkpointing:  # each block keeps its input; one block's again while recomputed

@@ -95,19 +95,21 @@ struct SplitCrossEntropy : torch::autograd::Function<SplitCrossEntropy> {
                             int64_t tp_key) {
     const auto tp = by_key(tp_key);
     const int64_t local = logits.size(-1);
-    const at::Tensor x = logits.reshape({-1, local}).to(at::kFloat);
+    // Two [N, V / tp] fp32 arrays at most (the logits' fp32 copy and the exponentials, which become
+    // the softmax in place): what the memory plan counts (models::GPTConfig::head_activation_bytes).
+    at::Tensor x = logits.reshape({-1, local}).to(at::kFloat);
     const at::Tensor t = targets.reshape({-1});
     at::Tensor max = std::get<0>(x.max(-1));
     all_reduce_(max, c10d::ReduceOp::MAX, *tp, "the logits' maximum");
-    const at::Tensor shifted = x - max.unsqueeze(1);
-    const at::Tensor e = shifted.exp();
     const at::Tensor here = (t >= begin).logical_and(t < begin + local);
     const at::Tensor index = (t - begin).masked_fill(here.logical_not(), 0);
-    const at::Tensor picked = shifted.gather(1, index.unsqueeze(1)).squeeze(1).masked_fill(here.logical_not(), 0.0);
+    const at::Tensor picked = x.gather(1, index.unsqueeze(1)).squeeze(1).sub(max).masked_fill(here.logical_not(), 0.0);
+    at::Tensor e = (x - max.unsqueeze(1)).exp_();
+    x = at::Tensor();
     at::Tensor sums = at::stack({e.sum(-1), picked});  // one all-reduce for both
     all_reduce_(sums, c10d::ReduceOp::SUM, *tp, "the softmax's denominators");
     const at::Tensor loss = (sums[0].log() - sums[1]).mean();
-    ctx->save_for_backward({e / sums[0].unsqueeze(1), index, here});
+    ctx->save_for_backward({e.div_(sums[0].unsqueeze(1)), index, here});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     ctx->saved_data["shape"] = logits.sizes().vec();
     return loss.to(logits.scalar_type());
