@@ -170,17 +170,19 @@ def part_comm_traffic(args, idle, log):
     return out
 
 
-def part_comm_bandwidth(args, log):
+def configs_bandwidth(args, log, configs, what):
+    """Each (label, strategy, flags) of `configs` at 2 x 2 with links at 20 and 100 Mbit/s, the
+    configurations interleaved in each of --repeats rounds: median step (min, max) and peak."""
     rates = ["20mbit", "100mbit"]
     runs = {}
     for rep in range(args.repeats):
         for rate in rates:
-            for label, s, flags in COMM_CONFIGS:
+            for label, s, flags in configs:
                 rows = train(2, 2, rate, s, args.model, args.bw_steps, args.batch, flags)
                 runs.setdefault((rate, label), []).append((step_ms(rows), peak_bytes(rows)))
-                log("comm bandwidth rep %d %-8s %-38s step %.1f ms" % (rep, rate, label, runs[(rate, label)][-1][0]))
+                log("%s bandwidth rep %d %-8s %-40s step %.1f ms" % (what, rep, rate, label, runs[(rate, label)][-1][0]))
     out = []
-    for label, s, flags in COMM_CONFIGS:
+    for label, s, flags in configs:
         for rate in rates:
             v = runs[(rate, label)]
             ms = [x[0] for x in v]
@@ -188,6 +190,10 @@ def part_comm_bandwidth(args, log):
                         "step_ms_median": statistics.median(ms), "step_ms_min": min(ms), "step_ms_max": max(ms),
                         "peak_live_bytes": max(x[1] for x in v), "runs": len(v)})
     return out
+
+
+def part_comm_bandwidth(args, log):
+    return configs_bandwidth(args, log, COMM_CONFIGS, "comm")
 
 
 def link_bytes(rows, hosts, G, idle, skip=1):
@@ -217,22 +223,20 @@ def part_tp(args, idle, log):
         out["traffic"].append({"label": label, "strategy": s, "flags": flags, "measured_tx": tx, "measured_rx": rx,
                                "comm_bytes_per_host": counted, "M": M})
         log("tp traffic %-40s measured tx %9.0f (%.2f M)  fsdp counted %9.0f" % (label, tx, tx / M, counted))
-    rates = ["20mbit", "100mbit"]
-    runs = {}
-    for rep in range(args.repeats):
-        for rate in rates:
-            for label, s, flags in TP_CONFIGS:
-                rows = train(2, 2, rate, s, args.model, args.bw_steps, args.batch, flags)
-                runs.setdefault((rate, label), []).append((step_ms(rows), peak_bytes(rows)))
-                log("tp bandwidth rep %d %-8s %-40s step %.1f ms" % (rep, rate, label, runs[(rate, label)][-1][0]))
-    for label, s, flags in TP_CONFIGS:
-        for rate in rates:
-            v = runs[(rate, label)]
-            ms = [x[0] for x in v]
-            out["bandwidth"].append({"rate": rate, "label": label, "flags": flags, "step_ms_median": statistics.median(ms),
-                                     "step_ms_min": min(ms), "step_ms_max": max(ms),
-                                     "peak_live_bytes": max(x[1] for x in v), "runs": len(v)})
+    out["bandwidth"] = configs_bandwidth(args, log, TP_CONFIGS, "tp")
     return out
+
+
+def step_time_table(bandwidth, configs, rates=("20mbit", "100mbit")):
+    """Markdown rows: each configuration's median step (min-max) per link rate and its peak."""
+    L = ["| configuration | " + " | ".join("%d Mbit/s" % mbit(r) for r in rates) + " | peak per rank |",
+         "|---|" + "---|" * (len(rates) + 1)]
+    for label, _, _ in configs:
+        xs = [next(r for r in bandwidth if r["rate"] == rate and r["label"] == label) for rate in rates]
+        L.append("| %s | %s | %.2f MB |" % (label, " | ".join("%.0f ms [%.0f-%.0f]" % (x["step_ms_median"], x["step_ms_min"],
+                                                                                     x["step_ms_max"]) for x in xs),
+                                            max(x["peak_live_bytes"] for x in xs) / 1e6))
+    return L
 
 
 def write_tp_markdown(res, path):
@@ -245,14 +249,7 @@ def write_tp_markdown(res, path):
         L.append("| %s | %.1f KB | %.1f KB | %.2f | %.1f KB |" % (r["label"], r["measured_tx"] / 1e3, r["measured_rx"] / 1e3,
                                                                r["measured_tx"] / r["M"], r["comm_bytes_per_host"] / 1e3))
     L += ["", "Step time (median of %d runs; min-max in brackets) and peak live tensor bytes per rank:" % res["repeats"], ""]
-    rates = ["20mbit", "100mbit"]
-    L.append("| configuration | " + " | ".join("%d Mbit/s" % mbit(r) for r in rates) + " | peak per rank |")
-    L.append("|---|" + "---|" * (len(rates) + 1))
-    for label, _, _ in TP_CONFIGS:
-        xs = [next(r for r in res["bandwidth"] if r["rate"] == rate and r["label"] == label) for rate in rates]
-        L.append("| %s | %s | %.2f MB |" % (label, " | ".join("%.0f ms [%.0f-%.0f]" % (x["step_ms_median"], x["step_ms_min"],
-                                                                                     x["step_ms_max"]) for x in xs),
-                                            max(x["peak_live_bytes"] for x in xs) / 1e6))
+    L += step_time_table(res["bandwidth"], TP_CONFIGS)
     open(path, "w").write("\n".join(L) + "\n")
 
 
@@ -276,14 +273,7 @@ def write_comm_markdown(res, path):
                      "%.2f M, %s." % (TARGET_M, r["hosts"], r["per_host"], ratio, "met" if ratio <= TARGET_M else "NOT met"))
     L += ["", "Step time at 2 hosts x 2 ranks (median of %d runs; min-max in brackets) and peak live tensor bytes "
           "per rank:" % res["repeats"], ""]
-    rates = ["20mbit", "100mbit"]
-    L.append("| configuration | " + " | ".join("%d Mbit/s" % mbit(r) for r in rates) + " | peak per rank |")
-    L.append("|---|" + "---|" * (len(rates) + 1))
-    for label, _, _ in COMM_CONFIGS:
-        xs = [next(r for r in res["bandwidth"] if r["rate"] == rate and r["label"] == label) for rate in rates]
-        L.append("| %s | %s | %.2f MB |" % (label, " | ".join("%.0f ms [%.0f-%.0f]" % (x["step_ms_median"], x["step_ms_min"],
-                                                                                     x["step_ms_max"]) for x in xs),
-                                            max(x["peak_live_bytes"] for x in xs) / 1e6))
+    L += step_time_table(res["bandwidth"], COMM_CONFIGS)
     open(path, "w").write("\n".join(L) + "\n")
 
 
