@@ -101,6 +101,13 @@ at::Tensor tensor_parallel_whole(const at::Tensor& part, const TensorParallelPla
 void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>& tp,
                  const std::vector<TensorParallelRule>& plan) {
   if (!tp) throw std::invalid_argument("fsdp::parallelize: the TensorParallel is null");
+  {
+    // Entries of tensors that died go first: they hold their TensorParallel (and its groups).
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (auto it = registry().begin(); it != registry().end();) {
+      it = it->second.impl.expired() ? registry().erase(it) : std::next(it);
+    }
+  }
   std::vector<int> matched(plan.size(), 0);
   std::unordered_set<const c10::TensorImpl*> done;  // a tied weight is listed under each name
   at::NoGradGuard no_grad;
