@@ -255,7 +255,8 @@ int train(const Config& c) {
 
   // fp16's narrow range needs loss scaling; bf16 has fp32's range and does not.
   std::optional<fsdp::ShardedGradScaler> scaler;
-  if (c.mixed_precision == "fp16") scaler.emplace(mesh);
+  // Over the whole job: an overflow in one TP rank's parts must skip the step on every rank.
+  if (c.mixed_precision == "fp16") scaler.emplace(world);
   std::unique_ptr<Trainee> trainee;
   if (!plain) trainee = sharded_trainee(model, mesh, options, c.strategy);
   Optimizer optim = make_optimizer(*model, c);  // after sharding: it steps this rank's shards

@@ -56,7 +56,8 @@ class TensorParallel {
   int size() const;
   int rank() const;  // in the TP group
   // The mesh of this rank's DP group (W / size ranks, W / size / hosts per node): what
-  // FullyShardedDataParallel, checkpoints and the gradient scaler are given.
+  // FullyShardedDataParallel is given. The Checkpointer and the ShardedGradScaler take world(),
+  // so that every rank of the job agrees (an overflow in one TP rank's parts skips every rank's step).
   const std::shared_ptr<Mesh>& data_parallel() const;
   const std::shared_ptr<Mesh>& world() const;
   // The TP group for tensors of `device` (Gloo for CPU, NCCL for CUDA), built on first use.
