@@ -220,8 +220,6 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& ta
   return fsdp::vocab_parallel_cross_entropy(logits, targets, tok_emb->weight);
 }
 
-torch::Tensor GPTImpl::whole_logits(const torch::Tensor& logits) const { return fsdp::gather_last_dim(logits, tok_emb->weight); }
-
 std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan() {
   std::vector<fsdp::TensorParallelRule> plan = {{"tok_emb.weight", {0, 1}}};  // the tied head with it
   for (const auto& rules : {fsdp::column_parallel_rule("blocks.*.attn.qkv", /*parts=*/3), fsdp::row_parallel_rule("blocks.*.attn.proj"),

@@ -100,8 +100,6 @@ struct GPTImpl : torch::nn::Module {
   // The mean cross entropy of forward()'s logits: lm_loss, or its vocabulary-parallel form when
   // the plan split the vocabulary (no rank gathers the whole logits).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
-  // forward()'s logits with every class (gathered over the TP group; evaluation only).
-  torch::Tensor whole_logits(const torch::Tensor& logits) const;
 
   GPTConfig cfg;
   // Registration order (and hence named_parameters() order) is the declaration order below.

@@ -418,8 +418,9 @@ def flops_compute(model, args):
     # A TP rank computes 1 / tp of every block and of the head (heads and features split), and
     # waits for two all-reduces per block in forward and two in backward.
     ar = tp_all_reduce_s(model, args)
-    fwd = {"block%d" % i: model.block_flops_per_token * tokens / rate / model.tp + 2 * ar for i in range(model.layers)}
-    bwd = {u: 2 * (v - 2 * ar) + 2 * ar for u, v in fwd.items()}
+    block = model.block_flops_per_token * tokens / rate / model.tp
+    fwd = {"block%d" % i: block + 2 * ar for i in range(model.layers)}
+    bwd = {"block%d" % i: 2 * block + 2 * ar for i in range(model.layers)}
     head = model.head_flops_per_token * tokens / rate / model.tp
     return {"fwd": fwd, "bwd": bwd, "root_fwd": head, "root_bwd": 2 * head, "optimizer": 0.0}
 

@@ -128,7 +128,5 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
 // `weight`: the split weight the logits came from (names the group); plain when not split. Every
 // target must be a class (no ignore_index when split: refused).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weight);
-// Logits split along the last dimension, gathered whole (for sampling and evaluation).
-at::Tensor gather_last_dim(const at::Tensor& logits, const at::Tensor& weight);
 
 }  // namespace fsdp

@@ -7,7 +7,6 @@
 // its result.
 #include "fsdp/tensor_parallel.h"
 
-#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <stdexcept>
@@ -18,10 +17,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::shared_ptr<TensorParallel> active(const at::Tensor& weight) {
+// The weight's placement when it is split over more than one rank (one registry lookup per call).
+std::optional<TensorParallelPlacement> active(const at::Tensor& weight) {
   auto placement = tensor_parallel_placement(weight);
-  if (!placement || placement->tp->size() == 1) return nullptr;
-  return placement->tp;
+  if (!placement || placement->tp->size() == 1) return std::nullopt;
+  return placement;
 }
 
 // In place on a fresh tensor; throws what failed and where.
@@ -125,51 +125,59 @@ struct SplitCrossEntropy : torch::autograd::Function<SplitCrossEntropy> {
   }
 };
 
-void expect_dim(const std::optional<TensorParallelPlacement>& p, int64_t dim, const char* layer) {
-  if (p && p->tp->size() > 1 && p->shard.dim != dim) {
+void expect_dim(const TensorParallelPlacement& p, int64_t dim, const char* layer) {
+  if (p.shard.dim != dim) {
     throw std::invalid_argument(std::string("fsdp: ") + layer + " needs its weight split along dimension " +
                                 std::to_string(dim) + ", but the plan split it along dimension " +
-                                std::to_string(p->shard.dim) + " (column-parallel: dim 0, row-parallel: dim 1)");
+                                std::to_string(p.shard.dim) + " (column-parallel: dim 0, row-parallel: dim 1)");
   }
+}
+
+at::Tensor column_split(const TensorParallelPlacement& p, const at::Tensor& x, const at::Tensor& weight,
+                        const at::Tensor& bias) {
+  expect_dim(p, 0, "column_parallel");
+  return at::linear(CopyToRegion::apply(x, key_of(p.tp)), weight, bias);
+}
+
+at::Tensor row_split(const TensorParallelPlacement& p, const at::Tensor& x, const at::Tensor& weight,
+                     const at::Tensor& bias) {
+  expect_dim(p, 1, "row_parallel");
+  if (bias.defined() && tensor_parallel_placement(bias)) {
+    throw std::invalid_argument("fsdp: row_parallel's bias must be replicated (added once, after the reduction); the plan split it");
+  }
+  const at::Tensor y = ReduceFromRegion::apply(at::linear(x, weight), key_of(p.tp));
+  return bias.defined() ? y + bias : y;
 }
 
 }  // namespace
 
 at::Tensor column_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const auto p = tensor_parallel_placement(weight);
-  expect_dim(p, 0, "column_parallel");
-  if (!p || p->tp->size() == 1) return at::linear(x, weight, bias);
-  return at::linear(CopyToRegion::apply(x, key_of(p->tp)), weight, bias);
+  const auto p = active(weight);
+  return p ? column_split(*p, x, weight, bias) : at::linear(x, weight, bias);
 }
 
 // Not split: the module's own forward, whose arithmetic (libtorch's F::linear: matmul, then the
 // bias added in place, for inputs of more than two dimensions) differs in its last bits from
 // at::linear's fused one; a model without a plan computes exactly what it computed before.
 at::Tensor column_parallel(torch::nn::Linear& linear, const at::Tensor& x) {
-  if (!active(linear->weight)) return linear->forward(x);
-  return column_parallel(x, linear->weight, linear->bias);
+  const auto p = active(linear->weight);
+  return p ? column_split(*p, x, linear->weight, linear->bias) : linear->forward(x);
 }
 
 at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const auto p = tensor_parallel_placement(weight);
-  expect_dim(p, 1, "row_parallel");
-  if (!p || p->tp->size() == 1) return at::linear(x, weight, bias);
-  if (bias.defined() && tensor_parallel_placement(bias)) {
-    throw std::invalid_argument("fsdp: row_parallel's bias must be replicated (added once, after the reduction); the plan split it");
-  }
-  const at::Tensor y = ReduceFromRegion::apply(at::linear(x, weight), key_of(p->tp));
-  return bias.defined() ? y + bias : y;
+  const auto p = active(weight);
+  return p ? row_split(*p, x, weight, bias) : at::linear(x, weight, bias);
 }
 
 at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x) {
-  if (!active(linear->weight)) return linear->forward(x);
-  return row_parallel(x, linear->weight, linear->bias);
+  const auto p = active(linear->weight);
+  return p ? row_split(*p, x, linear->weight, linear->bias) : linear->forward(x);
 }
 
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight) {
-  const auto p = tensor_parallel_placement(weight);
-  expect_dim(p, 0, "vocab_parallel_embedding");
-  if (!p || p->tp->size() == 1) return at::embedding(weight, ids);
+  const auto p = active(weight);
+  if (!p) return at::embedding(weight, ids);
+  expect_dim(*p, 0, "vocab_parallel_embedding");
   const int64_t rows = weight.size(0), begin = p->tp->rank() * rows;
   const at::Tensor outside = (ids < begin).logical_or(ids >= begin + rows);
   const at::Tensor local = (ids - begin).masked_fill(outside, 0);
@@ -178,32 +186,16 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weight) {
-  const auto tp = active(weight);
-  if (!tp) return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
-  const auto p = tensor_parallel_placement(weight);
+  const auto p = active(weight);
+  if (!p) return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   TORCH_CHECK(p->shard.parts == 1 && p->shard.dim == 0, "fsdp: vocab_parallel_cross_entropy needs a weight split by rows");
   // A target outside the classes would be "on no rank" and count as a logit of 0, silently: refused
   // (cross_entropy's ignore_index, -100, is not supported here). One check, one device sync.
-  const int64_t classes = logits.size(-1) * tp->size();
+  const int64_t classes = logits.size(-1) * p->tp->size();
   TORCH_CHECK(!targets.lt(0).logical_or(targets.ge(classes)).any().item<bool>(),
               "fsdp::vocab_parallel_cross_entropy: every target must be a class in [0, ", classes,
               "); ignore_index is not supported");
-  return SplitCrossEntropy::apply(logits, targets, tp->rank() * logits.size(-1), key_of(tp));
-}
-
-at::Tensor gather_last_dim(const at::Tensor& logits, const at::Tensor& weight) {
-  const auto tp = active(weight);
-  if (!tp) return logits;
-  TORCH_CHECK(!at::GradMode::is_enabled() || !logits.requires_grad(),
-              "fsdp::gather_last_dim is for evaluation: call it under torch::NoGradGuard");
-  const at::Tensor mine = logits.contiguous();
-  at::Tensor flat = mine.reshape({-1});
-  at::Tensor all = at::empty({tp->size() * mine.numel()}, mine.options());
-  tp->group(mine.device().type())->_allgather_base(all, flat)->wait();
-  std::vector<int64_t> stacked = {tp->size()};
-  for (int64_t s : mine.sizes()) stacked.push_back(s);
-  const at::Tensor byrank = all.view(stacked);
-  return at::cat(byrank.unbind(0), -1);
+  return SplitCrossEntropy::apply(logits, targets, p->tp->rank() * logits.size(-1), key_of(p->tp));
 }
 
 }  // namespace fsdp
