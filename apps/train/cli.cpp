@@ -79,6 +79,17 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "fsdp over the W/N data-parallel ranks; N divides the ranks per host, the heads and the vocabulary. "
                  "Default 1")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--live-replicas", c.live_replicas,
+               "hybrid strategies: when a replica group (the ranks of a shard group) fails, the others discard that "
+               "step and train on without it; a replacement joins at a step boundary with a live group's state. "
+               "Needs fsdp-coordinator at MASTER_ADDR:MASTER_PORT (docs/cluster.md)");
+  app.add_option("--live-schedule", c.live_schedule,
+                 "with --live-replicas: membership changes fixed in advance, out:R@S,in:R@T (group R sits out from "
+                 "step S, back at step T): the run a failure is compared with");
+  app.add_option("--max-restarts", c.max_restarts,
+                 "with --nproc-per-node: when a rank fails, restart every rank from the newest checkpoint under "
+                 "--save-dir (or the run folder) up to N times")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--dropout", c.dropout,
                  "dropout probability in the model (GPT: each block's attention and MLP outputs; T5: its layers; "
                  "DHEN: each layer's mix); default 0: none. Each rank draws its masks from its own generator, saved "

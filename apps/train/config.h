@@ -52,6 +52,12 @@ struct Config {
   std::string attention = "fused";  // or "reference": written out (GPTConfig::fused_attention)
   double dropout = 0.0;             // the workload's dropout (GPT's blocks, T5's layers, DHEN's mix)
   int tp = 1;                       // tensor parallelism inside a host (2-D with fsdp across)
+  // Fault tolerance (docs/cluster.md, "When a host fails"): replica groups that drop out and rejoin
+  // while the others train on (a coordinator at MASTER_ADDR decides), and the membership changes a
+  // run to compare with fixes in advance ("out:1@5,in:1@8").
+  bool live_replicas = false;
+  std::string live_schedule;
+  int max_restarts = 0;             // the local launcher's: restart from the newest checkpoint
   // How the model is built: "deferred" (fsdp::deferred_init, materialized unit by unit as shards:
   // no rank ever holds the whole model), "normal" (every rank builds it whole, then shards), or
   // "auto": deferred whenever the model is sharded (F > 1), normal otherwise.

@@ -6,11 +6,14 @@
 // size, so runs at different W compute the same math.
 #include <cstdlib>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
 #include "config.h"
 #include "fsdp/launch.h"
+#include "run_folder.h"
 
 int main(int argc, char** argv) {
   train::Config c;
@@ -26,12 +29,20 @@ int main(int argc, char** argv) {
       if (c.nproc > 0) throw std::invalid_argument("--simulate-rank runs one process; drop --nproc-per-node");
       return train::train(c);
     }
-    if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
-    if (std::getenv("RANK") == nullptr && std::getenv("WORLD_SIZE") == nullptr) {
+    // A job that restarts itself must find its checkpoints again: the run folder's name (which
+    // holds the start time) is fixed here, once, for every start.
+    std::vector<std::string> args{argv, argv + argc};
+    const bool launcher = std::getenv("RANK") == nullptr && std::getenv("WORLD_SIZE") == nullptr;
+    if (launcher && c.max_restarts > 0 && c.save_dir.empty() && c.run_dir == "auto") {
+      args.insert(args.end(), {"--run-dir", train::default_run_dir(c)});
+    }
+    std::vector<char*> pointers;
+    for (auto& a : args) pointers.push_back(a.data());
+    if (auto code = fsdp::maybe_launch_local(static_cast<int>(pointers.size()), pointers.data())) return *code;
+    if (launcher) {
       // Neither launched nor asked to launch: one local rank.
-      std::vector<std::string> args{"/proc/self/exe"};
-      for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-      return fsdp::launch_local(1, args);
+      args[0] = "/proc/self/exe";
+      return fsdp::launch_local(1, args, 0, c.max_restarts);
     }
     return train::train(c);
   } catch (const c10::Error& e) {

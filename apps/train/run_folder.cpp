@@ -19,8 +19,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
+}  // namespace
+
 // "runs/default-20261202-081500": the model and the local time the run started.
-std::string default_name(const Config& c) {
+std::string default_run_dir(const Config& c) {
   const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   std::tm local{};
   localtime_r(&now, &local);
@@ -28,6 +30,8 @@ std::string default_name(const Config& c) {
   std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &local);
   return "runs/" + c.model + "-" + stamp;
 }
+
+namespace {
 
 // Rank 0 makes the folder; mkdir is atomic, so a name another run took first is skipped.
 std::string make_unique_folder(const std::string& wanted, bool may_exist) {
@@ -84,7 +88,7 @@ std::optional<RunFolder> RunFolder::create(const Config& c, fsdp::Mesh& mesh) {
   std::string error;
   if (mesh.rank() == 0) {
     try {
-      path = make_unique_folder(c.run_dir == "auto" ? default_name(c) : c.run_dir, c.run_dir != "auto");
+      path = make_unique_folder(c.run_dir == "auto" ? default_run_dir(c) : c.run_dir, c.run_dir != "auto");
     } catch (const std::exception& e) {
       error = e.what();
     }

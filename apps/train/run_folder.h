@@ -31,6 +31,9 @@ class RunFolder {
   std::string path_;
 };
 
+// "runs/<model>-<yyyymmdd-hhmmss>": --run-dir auto's name for a run starting now.
+std::string default_run_dir(const Config& c);
+
 // The command line that continues this run from `checkpoints` up to `steps` steps: this program
 // with the flags it was given, less those that name where the run came from and went to.
 // `nproc`: the local ranks to ask for (0: the job spans hosts; the user's launcher starts it).

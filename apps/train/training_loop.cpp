@@ -21,6 +21,7 @@
 #include "fsdp/plan.h"
 #include "fsdp/process_memory.h"
 #include "link_counters.h"
+#include "live_training.h"
 #include "memory_log.h"
 #include "metrics_log.h"
 #include "run_folder.h"
@@ -117,6 +118,10 @@ int64_t bytes_under(const std::string& path) {
   return total;
 }
 
+double ms_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
 std::string megabytes(int64_t bytes) {
   char text[32];
   std::snprintf(text, sizeof text, "%.1f MB", static_cast<double>(bytes) / 1e6);
@@ -128,9 +133,15 @@ std::string megabytes(int64_t bytes) {
 int train(const Config& c) {
   fsdp::install_host_allocator();  // before anything is allocated: every CPU tensor counts
   const bool simulated = c.simulate_rank >= 0;
+  // --live-replicas: each replica group is an fsdp job of its own (`world` is its F ranks) and the
+  // groups average once per step in rounds a coordinator decides (live_training.h).
+  if (c.live_replicas && simulated) throw std::invalid_argument("--live-replicas needs real peers; drop --simulate-rank");
+  const std::unique_ptr<LiveTraining> live =
+      c.live_replicas ? LiveTraining::connect(c, fsdp::LaunchEnv::from_environment()) : nullptr;
   auto world = simulated ? fsdp::Mesh::simulated(c.plan_world, c.simulate_rank, std::min(c.plan_local, c.plan_world))
+               : live    ? live->mesh()
                          : fsdp::Mesh::create(fsdp::LaunchEnv::from_environment());
-  const fsdp::LaunchEnv env = world->env();
+  const fsdp::LaunchEnv env = live ? fsdp::LaunchEnv::from_environment() : world->env();
   // --tp N: tensor parallelism inside a host, fsdp over the data-parallel ranks. `mesh` is what
   // fsdp, the batch slices and checkpoints see: the DP ranks (all of them without --tp).
   if (c.tp > 1 && (c.local || c.ddp_baseline)) {
@@ -143,14 +154,18 @@ int train(const Config& c) {
   const std::shared_ptr<fsdp::TensorParallel> tp = c.tp > 1 ? fsdp::TensorParallel::create(world, c.tp) : nullptr;
   const std::string checkpoint_kind = c.checkpoint_kind != "auto" ? c.checkpoint_kind : tp ? "full" : "sharded";
   const std::shared_ptr<fsdp::Mesh> mesh = tp ? tp->data_parallel() : world;
-  const int world_rank = world->rank();
+  const int world_rank = live ? env.rank : world->rank();
   // Share the cores among the local ranks instead of oversubscribing them (a simulated rank is
   // alone on this machine).
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   torch::set_num_threads(c.threads > 0 ? c.threads : std::max(1, cores / (simulated ? 1 : env.local_world_size)));
-  const int W = mesh->world_size(), rank = mesh->rank();  // data-parallel: who reads which slice
-  // What this process prints: rank 0's view, or the simulated rank's.
-  const bool prints = world_rank == 0 || simulated;
+  const int W = mesh->world_size(), rank = mesh->rank();  // fsdp's ranks
+  // Who reads which slice of the global batch: fsdp's ranks, or with live replicas every rank of
+  // the job (a group that is out leaves its slices out of the step).
+  const int data_W = live ? env.world_size : W, data_rank = live ? env.rank : rank;
+  // What this process prints: rank 0's view, or the simulated rank's (with live replicas: each
+  // group's first rank, since any group may be gone).
+  const bool prints = live ? live->prints() : world_rank == 0 || simulated;
   if (simulated) {
     if (c.local) throw std::invalid_argument("--simulate-rank runs one rank of a sharded job; drop --local");
     if (!c.save_dir.empty() || !c.resume.empty() || !c.export_full.empty()) {
@@ -163,10 +178,10 @@ int train(const Config& c) {
                  "communication is timed."
               << std::endl;
   }
-  if (c.global_batch % W != 0) {
+  if (c.global_batch % data_W != 0) {
     throw std::invalid_argument("--global-batch-size " + std::to_string(c.global_batch) +
-                                " is not divisible by the world size " + std::to_string(W) +
-                                "; choose a multiple of " + std::to_string(W));
+                                " is not divisible by the world size " + std::to_string(data_W) +
+                                "; choose a multiple of " + std::to_string(data_W));
   }
   if ((!c.trace_dir.empty() || !c.memory_timeline.empty()) && c.trace_step >= c.steps) {
     throw std::invalid_argument("--trace-step " + std::to_string(c.trace_step) + " is not below --steps " +
@@ -185,9 +200,9 @@ int train(const Config& c) {
   if (plain && c.mixed_precision != "none") {
     throw std::invalid_argument(std::string("--mixed-precision needs fsdp; drop ") + plain_flag);
   }
-  if ((c.global_batch / W) % c.grad_accum != 0) {
+  if ((c.global_batch / data_W) % c.grad_accum != 0) {
     throw std::invalid_argument("--grad-accum " + std::to_string(c.grad_accum) + " does not divide the " +
-                                std::to_string(c.global_batch / W) + " sequences of each rank's batch");
+                                std::to_string(c.global_batch / data_W) + " sequences of each rank's batch");
   }
 
   const std::unique_ptr<Workload> workload = make_workload(c);
@@ -212,8 +227,12 @@ int train(const Config& c) {
   }
   fsdp::Options options = fsdp_options(c);
   options.tensor_parallel = tp;
+  if (live) {  // inside a group; the groups average in the rounds
+    options.strategy = fsdp::parse_strategy(LiveTraining::strategy_within(c.strategy));
+    options.shard_size = 0;
+  }
   // Activations of one rank's micro-batch, in the compute dtype.
-  const int64_t micro_batch = c.global_batch / W / std::max(1, c.grad_accum);
+  const int64_t micro_batch = c.global_batch / data_W / std::max(1, c.grad_accum);
   const int64_t element = options.mixed_precision ? c10::elementSize(options.mixed_precision->param_dtype) : 4;
   // The paper's way to build a sharded model (§3.1): deferred, then materialized unit by unit as
   // shards, so no rank ever holds the whole model. Its values are bit for bit those of a normal
@@ -258,7 +277,12 @@ int train(const Config& c) {
   // Over the whole job: an overflow in one TP rank's parts must skip the step on every rank.
   if (c.mixed_precision == "fp16") scaler.emplace(world);
   std::unique_ptr<Trainee> trainee;
-  if (!plain) trainee = sharded_trainee(model, mesh, options, c.strategy);
+  if (!plain) {
+    trainee = sharded_trainee(model, mesh, options,
+                              live ? c.strategy + " (live replica groups, " + LiveTraining::strategy_within(c.strategy) +
+                                         " in each)"
+                                   : c.strategy);
+  }
   Optimizer optim = make_optimizer(*model, c);  // after sharding: it steps this rank's shards
   if (c.local) trainee = local_trainee(model, optim.unique_params);
   if (c.ddp_baseline) trainee = ddp_trainee(model, mesh, optim.unique_params);
@@ -278,8 +302,15 @@ int train(const Config& c) {
   }
   // Where the run keeps what it made (run_folder.h): its checkpoint and the whole model, unless
   // --save-dir / --export-full name other places. A collective: rank 0 names it.
-  const std::optional<RunFolder> run = plain || simulated ? std::nullopt : RunFolder::create(c, *world);
-  const std::string save_dir = !c.save_dir.empty() ? c.save_dir : run ? run->checkpoints() : "";
+  if (live && c.run_dir != "auto" && c.run_dir != "none") {
+    throw std::invalid_argument("--live-replicas: name --save-dir (each group saves under replica-<R>/) and --export-full "
+                                "instead of --run-dir");
+  }
+  const std::optional<RunFolder> run = plain || simulated || live ? std::nullopt : RunFolder::create(c, *world);
+  const std::string save_dir = live && !c.save_dir.empty() ? live_save_dir(c.save_dir, live->replica())
+                               : !c.save_dir.empty()       ? c.save_dir
+                               : run                       ? run->checkpoints()
+                                                           : "";
   const std::string export_full = !c.export_full.empty() ? c.export_full : run ? run->model_file() : "";
   fsdp::FullyShardedDataParallelBase* wrapped = trainee->wrapped();
   fsdp::ShardedGradScaler* scaler_ptr = scaler ? &*scaler : nullptr;
@@ -297,9 +328,20 @@ int train(const Config& c) {
   }
 
   int start_step = 0;
-  if (!c.resume.empty()) {
+  // Restarted by a launcher (--max-restarts, torchrun's): from the newest checkpoint of this run,
+  // when there is one. A replacement of a live replica group gets its state from a peer instead.
+  const bool restarted = restart_count() > 0;
+  const bool replacement = live && live->replicas().is_replacement();
+  std::string resume = replacement ? "" : c.resume;
+  if (resume.empty() && restarted && !replacement && !save_dir.empty()) resume = live ? c.save_dir : save_dir;
+  if (live && !resume.empty()) resume = newest_live_checkpoint(resume);
+  if (!resume.empty() && c.resume.empty() && !fsdp::find_checkpoint(*world, resume)) {
+    if (prints) std::cout << "fsdp-train: restarted, but no checkpoint was saved yet: starting from step 0" << std::endl;
+    resume.clear();
+  }
+  if (!resume.empty()) {
     // Rank 0 decides which checkpoint --resume names; every rank loads that one.
-    const auto found = fsdp::find_checkpoint(*world, c.resume);
+    const auto found = fsdp::find_checkpoint(*world, resume);
     if (!found) {
       throw std::invalid_argument("--resume " + c.resume + ": neither a checkpoint (no manifest.json) nor a folder of "
                                   "checkpoints (no complete, undamaged step-N/ inside)");
@@ -332,7 +374,11 @@ int train(const Config& c) {
     if (W > 1 && !simulated) std::cout << "fsdp-train: Gloo communicates over " << mesh->network() << std::endl;
   }
   JsonlWriter metrics_out(c.metrics_jsonl);
-  const int64_t per_rank = c.global_batch / W;
+  if (restarted) {
+    metrics_out.write({{"event", "restarted"}, {"rank", world_rank}, {"restart", restart_count()},
+                       {"resumed_step", start_step}, {"replacement", replacement}});
+  }
+  const int64_t per_rank = c.global_batch / data_W;
   const double tokens_per_step = static_cast<double>(c.global_batch * workload->tokens_per_sample());
   auto loss_of = [&](const Batch& b) {
     return workload->loss(*model, trainee->forward([&] { return workload->forward(*model, b, trainee->input_dtype()); }), b);
@@ -367,7 +413,11 @@ int train(const Config& c) {
   std::optional<MemoryTimeline> timeline;
   if (!c.memory_timeline.empty()) timeline.emplace(device);
   summary.begin();
-  for (int step = start_step; step < c.steps; ++step) {
+  for (int step = start_step; step < c.steps;) {  // ++step at the end: a discarded step is redone
+    if (live) {
+      step = live->begin_step(step, optim.unique_params, *optim.adamw, metrics_out);
+      if (step >= c.steps) break;
+    }
     trainee->begin_step();
     MemoryTimeline* sampling = timeline && step == c.trace_step ? &*timeline : nullptr;
     if (sampling) sampling->start();
@@ -380,7 +430,8 @@ int train(const Config& c) {
     const fsdp::HostMemoryPeak peak;  // live tensor bytes through the step
     const LinkCounters links_before = LinkCounters::read();
     const auto t0 = std::chrono::steady_clock::now();
-    const Batch batch = on_device(workload->batch(step, c.global_batch, c.seed, rank * per_rank, (rank + 1) * per_rank), device);
+    const Batch batch =
+        on_device(workload->batch(step, c.global_batch, c.seed, data_rank * per_rank, (data_rank + 1) * per_rank), device);
     optim.adamw->zero_grad();
     // Micro-batches of this rank's slice: all but the last accumulate without communicating.
     torch::Tensor loss;
@@ -407,6 +458,13 @@ int train(const Config& c) {
       }
     }
     memory["after_backward"] = to_json(fsdp::process_memory(device));
+    maybe_kill_for_test(step, world_rank, !restarted && !replacement);
+    // The global batch's mean loss: the mean of the ranks' means (equal slices).
+    double mean_loss = global_mean(*mesh, loss);
+    if (live && !live->end_step(optim.unique_params, &mean_loss, ms_since(t0), metrics_out)) {
+      optim.adamw->zero_grad();  // discarded: the next round redoes this step
+      continue;
+    }
     mark("step");
     if (scaler) scaler->unscale_(*optim.adamw);
     const double grad_norm = c.clip > 0 ? trainee->clip_grad_norm(c.clip, workload->model_parallel_parameters(*model)) : -1.0;
@@ -427,13 +485,12 @@ int train(const Config& c) {
                   << "/memory-rank*.csv" << std::endl;
       }
     }
-    // The global batch's mean loss: the mean of the ranks' means (equal slices).
     StepRecord r;
     r.rank = world_rank;
     r.local_rank = env.local_rank;
     r.node_rank = world_rank / env.local_world_size;
     r.step = step;
-    r.loss = global_mean(*mesh, loss);
+    r.loss = mean_loss;
     r.grad_norm = grad_norm;
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
@@ -467,7 +524,8 @@ int train(const Config& c) {
                                     {"flops_scale", workload->flops_scale(c.simulate_layers)}};
       if (step > start_step) sampled_step_ms.push_back(r.step_ms);
     }
-    if (checkpointer && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
+    const bool saves = checkpointer && (!live || live->is_writer());  // live: one group writes
+    if (saves && ((c.save_every > 0 && (step + 1) % c.save_every == 0) || step + 1 == c.steps)) {
       // The batches are a function of the step, so the step is the data position.
       const auto s0 = std::chrono::steady_clock::now();
       const fsdp::HostMemoryPeak save_peak;  // what the save allocates (FULL: one unit at a time)
@@ -487,10 +545,21 @@ int train(const Config& c) {
       }
     }
     metrics_out.write(record);
-    if (prints && (step % c.log_every == 0 || step == c.steps - 1)) {
+    if (prints && (!live || live->is_writer()) && (step % c.log_every == 0 || step == c.steps - 1)) {
       std::cout << (simulated ? "[SIMULATED] " : "") << progress_line(r, trainee->is_sharded(), device.is_cuda(), workload->throughput_unit())
                 << std::endl;
     }
+    ++step;
+  }
+  if (checkpointer) checkpointer->wait();
+  if (live) live->finish();  // the coordinator ends the job once every member has
+  // This rank's shards and optimizer state as one hash: replicas (and a run against its restarted
+  // twin) compare bit for bit.
+  if (!plain && !simulated) {
+    nlohmann::json e = {{"event", "state_hash"}, {"rank", world_rank}, {"shard_rank", rank},
+                        {"hash", state_hash(optim.unique_params, *optim.adamw)}};
+    if (live) e["replica"] = live->replica();
+    metrics_out.write(e);
   }
   if (c.simulate_layers > 0) {
     if (sampled_step_ms.empty()) {
@@ -506,11 +575,10 @@ int train(const Config& c) {
                 << "measured peaks are the sample's." << std::endl;
     }
   }
-  if (checkpointer) checkpointer->wait();
   const bool trained = summary.steps() > 0;
   // An explicit --export-full writes whatever the model holds (weights loaded, steps 0); the run
   // folder keeps a model only when this run trained it.
-  if (!export_full.empty() && (trained || !c.export_full.empty())) {
+  if (!export_full.empty() && (trained || !c.export_full.empty()) && (!live || live->is_writer())) {
     fsdp::export_full(export_full, *wrapped);
     if (prints && (!run || !trained)) std::cout << "fsdp-train: wrote the whole model to " << export_full << std::endl;
   }
@@ -552,7 +620,7 @@ int train(const Config& c) {
   }
   // A model resumed at its last step writes a sample too: the trained model, without training more.
   if (trained || start_step > 0) {
-    if (const std::optional<TextSample> sample = tp ? std::nullopt : sample_text(c, *workload, *model, *trainee, *mesh, device)) {
+    if (const std::optional<TextSample> sample = tp || live ? std::nullopt : sample_text(c, *workload, *model, *trainee, *mesh, device)) {
       std::cout << "== sample: " << sample->tokens << " tokens after \"" << sample->prompt << "\" (temperature "
                 << c.temperature << ", seed " << c.seed << "; through " << sample->via << ", "
                 << static_cast<int64_t>(sample->seconds * 1000) << " ms)\n"

@@ -16,7 +16,12 @@ namespace fsdp {
 // them. Returns 0 when every rank exited 0, else the first failure's exit code (128+signal for a
 // rank killed by a signal). `master_port` 0: the launcher hosts the job's store itself, on a port
 // the kernel picks (see kStoreHostedEnv).
-int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0);
+//
+// `max_restarts` > 0: when a rank fails, the others are stopped as above and every rank is started
+// again, up to that many times, with TORCHELASTIC_RESTART_COUNT = the restart (as torchrun sets
+// it): the program resumes from its newest checkpoint (fsdp-train does). An interrupt (SIGINT,
+// SIGTERM to the launcher) is not restarted.
+int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0, int max_restarts = 0);
 
 // Set (to 1) in the ranks' environment by launch_local when the launcher hosts the job's store
 // itself (master_port 0: a port it holds for the job's life); rank 0 then connects as a client.
@@ -24,7 +29,8 @@ inline constexpr const char* kStoreHostedEnv = "FSDP_STORE_HOSTED";
 
 // For a program's main(): when argv holds "--nproc-per-node N" (or "--nproc-per-node=N") and this
 // process is not itself a launched rank, runs launch_local() on the same command line without
-// that flag and returns its exit code. Otherwise returns nullopt and the program runs as one rank.
+// that flag and returns its exit code ("--max-restarts N" is the launcher's too: not passed on).
+// Otherwise returns nullopt and the program runs as one rank.
 std::optional<int> maybe_launch_local(int argc, char** argv);
 
 }  // namespace fsdp

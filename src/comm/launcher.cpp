@@ -57,13 +57,16 @@ double launcher_grace_seconds() {
 
 }  // namespace
 
-int launch_local(int nproc, const std::vector<std::string>& argv, int master_port) {
-  if (nproc < 1) throw std::invalid_argument("fsdp: --nproc-per-node must be at least 1");
-  if (argv.empty()) throw std::invalid_argument("fsdp: launch_local needs a program to run");
+namespace {
+
+// One start of the job: its store, its ranks, and the supervision until every rank ended.
+// Returns 0 or the first failure's exit code.
+int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, int restart, int max_restarts) {
   // The job's store, hosted here on a port the kernel picks and this process holds for the job's
   // whole life; the ranks connect to it as clients (kStoreHostedEnv). Picking a free port and
   // letting rank 0 bind it later raced with the sockets of jobs running beside this one (a test
-  // failed once with "rank 0 could not host the store").
+  // failed once with "rank 0 could not host the store"). A restart gets a fresh store: the keys
+  // of the failed start (its process groups' rendezvous) must not be found by the new ranks.
   c10::intrusive_ptr<c10d::TCPStore> store;
   if (master_port == 0) {
     c10d::TCPStoreOptions so;
@@ -80,7 +83,8 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   const std::vector<std::string> overridden{"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                            "MASTER_PORT", kStoreHostedEnv};
+                                            "MASTER_PORT", kStoreHostedEnv, "TORCHELASTIC_RESTART_COUNT",
+                                            "TORCHELASTIC_MAX_RESTARTS"};
   std::vector<std::string> inherited;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry(*e);
@@ -97,16 +101,13 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
     e.push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
     e.push_back("MASTER_ADDR=127.0.0.1");
     e.push_back("MASTER_PORT=" + std::to_string(master_port));
+    // As torchrun names them: a program resumes from its newest checkpoint when restarted.
+    e.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(restart));
+    e.push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
     if (store) e.push_back(std::string(kStoreHostedEnv) + "=1");
     for (auto& s : e) envs[static_cast<size_t>(r)].push_back(const_cast<char*>(s.c_str()));
     envs[static_cast<size_t>(r)].push_back(nullptr);
   }
-
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  struct sigaction old_int {}, old_term {};
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
 
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
@@ -171,17 +172,53 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  return first_failure;
+}
+
+}  // namespace
+
+int launch_local(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts) {
+  if (nproc < 1) throw std::invalid_argument("fsdp: --nproc-per-node must be at least 1");
+  if (argv.empty()) throw std::invalid_argument("fsdp: launch_local needs a program to run");
+  if (max_restarts < 0) throw std::invalid_argument("fsdp: --max-restarts must be 0 or more");
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  struct sigaction old_int {}, old_term {};
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+  int code = 0;
+  for (int restart = 0;; ++restart) {
+    code = run_ranks(nproc, argv, master_port, restart, max_restarts);
+    // Done, interrupted (a person's ^C is not a failure to recover from), or out of restarts.
+    if (code == 0 || g_stop_signal != 0 || restart >= max_restarts) break;
+    std::cerr << "fsdp launcher: restarting all " << nproc << " ranks (restart " << restart + 1 << " of "
+              << max_restarts << "); they resume from the newest checkpoint" << std::endl;
+  }
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
-  return first_failure;
+  return code;
 }
 
 std::optional<int> maybe_launch_local(int argc, char** argv) {
   std::vector<std::string> rest{"/proc/self/exe"};
   int nproc = -1;
+  int max_restarts = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     std::string value;
+    if (a == "--max-restarts" || a.rfind("--max-restarts=", 0) == 0) {
+      // The launcher's; the ranks learn their restart from TORCHELASTIC_RESTART_COUNT.
+      const std::string v = a.find('=') != std::string::npos ? a.substr(a.find('=') + 1)
+                            : i + 1 < argc                   ? std::string(argv[++i])
+                                                             : std::string();
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || n < 0 || n > 1000000) {
+        throw std::invalid_argument("fsdp: --max-restarts wants a number of restarts (0 or more), got '" + v + "'");
+      }
+      max_restarts = static_cast<int>(n);
+      continue;
+    }
     if (a == "--nproc-per-node" || a == "--nproc_per_node") {
       if (i + 1 >= argc) throw std::invalid_argument("fsdp: --nproc-per-node needs a number");
       value = argv[++i];
@@ -199,7 +236,7 @@ std::optional<int> maybe_launch_local(int argc, char** argv) {
     nproc = static_cast<int>(n);
   }
   if (nproc < 0) return std::nullopt;
-  return launch_local(nproc, rest);
+  return launch_local(nproc, rest, 0, max_restarts);
 }
 
 }  // namespace fsdp

@@ -232,6 +232,11 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
 namespace detail {
 
 GroupPtr MeshState::make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device) {
+  return make_group_on(store, name, group_rank, group_size, device);
+}
+
+GroupPtr MeshState::make_group_on(const c10::intrusive_ptr<c10d::Store>& on, const std::string& name, int group_rank,
+                                  int group_size, c10::DeviceType device) {
   if (simulated) return c10::make_intrusive<SimulatedBackend>(group_rank, group_size);
   if (device == c10::DeviceType::CUDA) {
 #ifdef USE_C10D_NCCL
@@ -244,7 +249,7 @@ GroupPtr MeshState::make_group(const std::string& name, int group_rank, int grou
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = options.collective_timeout;
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(
-        c10::make_intrusive<c10d::PrefixStore>("fsdp/nccl/" + name, store), group_rank, group_size, opts);
+        c10::make_intrusive<c10d::PrefixStore>("fsdp/nccl/" + name, on), group_rank, group_size, opts);
 #else
     throw std::runtime_error("fsdp: this build has no NCCL (libtorch without CUDA); CUDA parameters need a CUDA build");
 #endif
@@ -254,7 +259,7 @@ GroupPtr MeshState::make_group(const std::string& name, int group_rank, int grou
   opts->threads = kGlooThreadsPerGroup;
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("fsdp/pg/" + name, store), group_rank, group_size, opts);
+        c10::make_intrusive<c10d::PrefixStore>("fsdp/pg/" + name, on), group_rank, group_size, opts);
   } catch (const std::exception& e) {
     throw std::runtime_error("fsdp: could not build process group '" + name + "' on rank " +
                              std::to_string(env.rank) + ": a peer rank did not arrive or exited. (" +
@@ -277,6 +282,19 @@ std::shared_ptr<Mesh> MeshState::sub_mesh(const std::string& name, int rank, int
   sub->store = c10::make_intrusive<c10d::PrefixStore>("fsdp/sub/" + name, store);
   sub->world = sub->make_group("world", rank, size, c10::DeviceType::CPU);
   return std::shared_ptr<Mesh>(new Mesh(std::move(sub)));
+}
+
+std::shared_ptr<Mesh> MeshState::over_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,
+                                            MeshOptions options, int host_processes) {
+  ignore_sigpipe();
+  auto state = std::make_unique<MeshState>();
+  state->env = env;
+  state->options = options;
+  state->gloo_interface = choose_gloo_interface(env);
+  state->host_processes = host_processes;
+  state->store = std::move(store);
+  state->world = state->make_group("world", env.rank, env.world_size, c10::DeviceType::CPU);
+  return std::shared_ptr<Mesh>(new Mesh(std::move(state)));
 }
 
 const ShardGroups& MeshState::groups_for(int shard_size, c10::DeviceType device) {

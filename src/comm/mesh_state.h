@@ -68,12 +68,23 @@ struct MeshState {
   void check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe);
 
   GroupPtr make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device);
+  // The same, meeting in `on` rather than this mesh's store (the live replica groups of
+  // fault_tolerance/, which the coordinator's store names per epoch).
+  GroupPtr make_group_on(const c10::intrusive_ptr<c10d::Store>& on, const std::string& name, int group_rank,
+                         int group_size, c10::DeviceType device);
 
   // A mesh of `size` ranks of this one (this rank is `rank` of them, `local_world_size` of them per
   // node), with a world group of its own and a store under its own prefix, so every group built on
   // it is apart from this mesh's: the data-parallel mesh of tensor parallelism (tensor_parallel/).
   // Collective over the ranks of the sub-mesh; `name` is the same on them and unique in this mesh.
   std::shared_ptr<Mesh> sub_mesh(const std::string& name, int rank, int size, int local_world_size);
+
+  // A mesh of the ranks that meet in `store` (`env` numbers them; its MASTER_ADDR is where the
+  // store is, for the choice of network), built without the launch checks of Mesh::create: a live
+  // replica group's mesh (fault_tolerance/), whose store is the coordinator's. `host_processes`:
+  // the processes on this host. Collective over env.world_size ranks.
+  static std::shared_ptr<Mesh> over_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,
+                                          MeshOptions options, int host_processes);
 };
 
 }  // namespace detail

@@ -24,6 +24,8 @@ MAY_INCLUDE = {
     "plan": ["engine", "precision", "comm", "init", "memory", "observe"],  # memory plan and budget
     "wrap": ["plan", "engine", "precision", "comm", "init", "memory", "observe"],  # the wrapper
     "checkpoint": ["wrap", "plan", "engine", "precision", "comm", "init", "memory", "observe"],
+    # live replica groups: the coordinator, the quorum protocol, the state a joining group gets
+    "fault_tolerance": ["checkpoint", "wrap", "plan", "engine", "precision", "comm", "init", "memory", "observe"],
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')

@@ -1,0 +1,204 @@
+#include "live_training.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+
+#include "fsdp/checkpoint.h"
+#include <sstream>
+
+namespace train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+std::string LiveTraining::strategy_within(const std::string& strategy) {
+  return strategy == "hybrid_shard_zero2" ? "shard_grad_op" : "full_shard";
+}
+
+std::unique_ptr<LiveTraining> LiveTraining::connect(const Config& c, const fsdp::LaunchEnv& env) {
+  if (c.strategy != "hybrid_shard" && c.strategy != "hybrid_shard_zero2") {
+    throw std::invalid_argument("--live-replicas keeps the replica groups of a hybrid strategy training when one fails; "
+                                "--strategy " + c.strategy + " has no replicas to keep. Use --strategy hybrid_shard "
+                                "(or hybrid_shard_zero2), or the launcher's --max-restarts for a restart from the "
+                                "newest checkpoint");
+  }
+  for (const auto& [set, flag] : std::vector<std::pair<bool, std::string>>{
+           {c.tp > 1, "--tp"}, {c.dropout > 0, "--dropout"}, {c.mixed_precision == "fp16", "--mixed-precision fp16"},
+           {c.grad_accum > 1, "--grad-accum"}, {c.local || c.ddp_baseline, "--local/--ddp-baseline"},
+           {c.reshard_after_forward_to != 0, "--hpz/--reshard-after-forward-to"}}) {
+    if (set) {
+      throw std::invalid_argument("--live-replicas with " + flag + ": not supported (a joining group could not take that "
+                                  "state from a peer, or the groups would part); drop one of them");
+    }
+  }
+  fsdp::LiveOptions o = fsdp::LiveOptions::from_environment();
+  o.ranks_per_replica = c.shard_size > 0 ? c.shard_size : env.local_world_size;
+  o.total_steps = c.steps;
+  o.schedule = c.live_schedule;
+  return std::unique_ptr<LiveTraining>(new LiveTraining(c, fsdp::LiveReplicas::connect(env, o)));
+}
+
+bool LiveTraining::prints() const { return live_->replica_mesh()->rank() == 0; }
+
+nlohmann::json LiveTraining::event(const std::string& name) const {
+  return {{"event", name},
+          {"rank", fsdp::LaunchEnv::from_environment().rank},
+          {"replica", live_->replica()},
+          {"generation", live_->generation()},
+          {"time", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()}};
+}
+
+int LiveTraining::begin_step(int held_step, const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer,
+                             JsonlWriter& out) {
+  const auto t0 = Clock::now();
+  const fsdp::LiveRound round = live_->next_round(held_step, params, &optimizer);
+  const auto t1 = Clock::now();
+  if (round.step >= c_.steps) return static_cast<int>(round.step);
+  const bool first = members_.empty();
+  members_ = round.members;
+  if (!round.left.empty()) {
+    nlohmann::json e = event("replica_left");
+    e["replicas"] = round.left;
+    e["step"] = round.step;
+    e["members"] = round.members;
+    // From the end of the discarded step (or of the last step) to the start of this one.
+    e["pause_ms"] = discarded_at_ ? ms_between(*discarded_at_, t1) : ms_between(t0, t1);
+    e["wait_ms"] = round.wait_ms;
+    out.write(e);
+    if (prints()) {
+      std::cout << "fsdp-train: [replica " << replica() << "] replica group(s) " << e["replicas"].dump()
+                << " left at step " << round.step << "; training on with " << e["members"].dump() << " after "
+                << static_cast<int64_t>(e["pause_ms"].get<double>()) << " ms" << std::endl;
+    }
+  }
+  if (!round.joined.empty() && !first) {
+    nlohmann::json e = event("replica_joined");
+    e["replicas"] = round.joined;
+    e["step"] = round.step;
+    e["source"] = round.source;
+    e["members"] = round.members;
+    e["i_joined"] = round.i_joined;
+    e["transfer_ms"] = round.transfer_ms;
+    e["transfer_bytes"] = round.transfer_bytes;
+    out.write(e);
+    if (prints()) {
+      std::cout << "fsdp-train: [replica " << replica() << "] replica group(s) " << e["replicas"].dump()
+                << " joined at step " << round.step << " with the state of group " << round.source << " ("
+                << round.transfer_bytes << " bytes per rank in " << static_cast<int64_t>(round.transfer_ms)
+                << " ms); members " << e["members"].dump() << std::endl;
+    }
+  } else if (first && prints()) {
+    std::cout << "fsdp-train: [replica " << replica() << "] in the job from step " << round.step << " with groups "
+              << nlohmann::json(round.members).dump()
+              << (round.i_joined ? " (state received from group " + std::to_string(round.source) + ")" : "") << std::endl;
+  }
+  discarded_at_.reset();
+  return static_cast<int>(round.step);
+}
+
+bool LiveTraining::end_step(const std::vector<torch::Tensor>& params, double* loss, double step_ms, JsonlWriter& out) {
+  // One message: the gradient shards (each the group's mean already) and the group's mean loss.
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params) {
+    if (p.grad().defined()) tensors.push_back(p.grad());
+  }
+  at::Tensor l = torch::full({1}, *loss, torch::kFloat);
+  tensors.push_back(l);
+  std::string why;
+  const bool ok = live_->average(tensors, &why);
+  const bool committed = live_->commit(ok, why);
+  if (committed) {
+    *loss = l.item<double>();  // the mean over every member rank's equal slice
+    return true;
+  }
+  discarded_at_ = Clock::now();
+  nlohmann::json e = event("step_discarded");
+  e["why"] = ok ? "another member failed" : why;
+  e["lost_ms"] = step_ms;
+  out.write(e);
+  if (prints()) {
+    std::cout << "fsdp-train: [replica " << replica() << "] step discarded (" << e["why"].get<std::string>()
+              << "); redoing it with the groups still here" << std::endl;
+  }
+  return false;
+}
+
+std::string live_save_dir(const std::string& save_dir, int replica) {
+  return save_dir + "/replica-" + std::to_string(replica);
+}
+
+std::string newest_live_checkpoint(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(fs::path(path) / "manifest.json", ec) || fsdp::latest_checkpoint(path)) return path;
+  std::string best = path;
+  int64_t best_step = -1;
+  for (const auto& e : fs::directory_iterator(path, ec)) {
+    if (!e.is_directory(ec) || e.path().filename().string().rfind("replica-", 0) != 0) continue;
+    const std::optional<std::string> newest = fsdp::latest_checkpoint(e.path().string());
+    if (!newest) continue;
+    const std::string name = fs::path(*newest).filename().string();  // step-00000010
+    const int64_t step = std::atoll(name.substr(name.find('-') + 1).c_str());
+    if (step > best_step) {
+      best_step = step;
+      best = *newest;
+    }
+  }
+  return best;
+}
+
+int restart_count() {
+  const char* raw = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return raw == nullptr ? 0 : std::atoi(raw);
+}
+
+void maybe_kill_for_test(int step, int global_rank, bool first_start) {
+  static const char* at = std::getenv("FSDP_FAULT_KILL_AT_STEP");
+  if (at == nullptr || !first_start || std::atoi(at) != step) return;
+  if (const char* ranks = std::getenv("FSDP_FAULT_KILL_RANKS")) {
+    std::stringstream list(ranks);
+    std::string item;
+    bool mine = false;
+    while (std::getline(list, item, ',')) mine = mine || (!item.empty() && std::atoi(item.c_str()) == global_rank);
+    if (!mine) return;
+  }
+  std::cerr << ("fsdp-train: rank " + std::to_string(global_rank) + " kills itself at step " + std::to_string(step) +
+                " (FSDP_FAULT_KILL_AT_STEP)\n") << std::flush;
+  ::kill(::getpid(), SIGKILL);
+}
+
+std::string state_hash(const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  auto add = [&h](const at::Tensor& t) {
+    if (!t.defined()) return;
+    const at::Tensor c = t.detach().to(torch::kCPU).contiguous();
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    const size_t n = static_cast<size_t>(c.numel()) * c.element_size();
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  };
+  for (const auto& p : params) {
+    add(p);
+    auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+    if (it == optimizer.state().end()) continue;
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    add(s.exp_avg());
+    add(s.exp_avg_sq());
+    add(torch::full({1}, s.step(), torch::kLong));
+  }
+  char text[20];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(h));
+  return text;
+}
+
+}  // namespace train

@@ -1,0 +1,75 @@
+// fsdp-train with --live-replicas (fsdp/fault_tolerance.h): each replica group (its F ranks) runs
+// fsdp on its own, and once per step the groups average gradients in a round the coordinator
+// decides. This file is the loop's side of it: the round before a step (who left, who joined,
+// the state a joining group gets), the average and the commit after backward, the events in the
+// JSONL, and the restart and fault-injection switches the launchers set.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "config.h"
+#include "fsdp/fault_tolerance.h"
+#include "metrics_log.h"
+
+namespace train {
+
+class LiveTraining {
+ public:
+  // Connects to the coordinator (MASTER_ADDR:MASTER_PORT) as this rank of the job. Checks the
+  // flags first: a hybrid strategy, at least two groups, nothing that differs per group.
+  static std::unique_ptr<LiveTraining> connect(const Config& c, const fsdp::LaunchEnv& env);
+
+  fsdp::LiveReplicas& replicas() { return *live_; }
+  const std::shared_ptr<fsdp::Mesh>& mesh() const { return live_->replica_mesh(); }
+  // What fsdp runs inside a group: full_shard for hybrid_shard, shard_grad_op for hybrid_shard_zero2.
+  static std::string strategy_within(const std::string& strategy);
+
+  // Before a step: waits for the round (a joining group receives the state here) and logs what
+  // changed. Returns the step to run; >= c.steps when the job ended.
+  int begin_step(int held_step, const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer,
+                 JsonlWriter& out);
+  // After backward: averages this rank's gradient shards and the group's mean loss over the
+  // round's members, and commits. False: the step is discarded (logged); the loop redoes it.
+  bool end_step(const std::vector<torch::Tensor>& params, double* loss, double step_ms, JsonlWriter& out);
+  // The lowest member of the round saves checkpoints and writes the model: one copy of each.
+  bool is_writer() const { return !members_.empty() && members_.front() == live_->replica(); }
+  bool prints() const;  // this group's first rank, when it writes
+  void finish() { live_->finish(); }
+  int replica() const { return live_->replica(); }
+
+ private:
+  LiveTraining(const Config& c, std::shared_ptr<fsdp::LiveReplicas> live) : c_(c), live_(std::move(live)) {}
+  nlohmann::json event(const std::string& name) const;
+
+  const Config& c_;
+  std::shared_ptr<fsdp::LiveReplicas> live_;
+  std::vector<int> members_;
+  std::optional<std::chrono::steady_clock::time_point> discarded_at_;  // the last discarded step's end
+};
+
+// The restart this process is in: 0 for the first start (torchrun's TORCHELASTIC_RESTART_COUNT,
+// which fsdp's launchers set too).
+int restart_count();
+
+// Fault injection for the tests and benchmarks: with FSDP_FAULT_KILL_AT_STEP=S this process kills
+// itself (SIGKILL: no cleanup, as a lost host) after step S's forward, in the job's first start
+// only; FSDP_FAULT_KILL_RANKS="1,3" limits it to those global ranks.
+void maybe_kill_for_test(int step, int global_rank, bool first_start);
+
+// Each live replica group saves under its own folder of the --save-dir (one job per folder: a
+// checkpointer locks it), and the newest of them is the run's.
+std::string live_save_dir(const std::string& save_dir, int replica);
+// `path` itself when it is a checkpoint or holds step-N/ folders; else the newest checkpoint of its
+// replica-<R>/ folders (or `path` when it has none).
+std::string newest_live_checkpoint(const std::string& path);
+
+// A hash of this rank's shards and their optimizer state, to compare replicas bit for bit.
+std::string state_hash(const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer);
+
+}  // namespace train

@@ -1,0 +1,125 @@
+// Training that survives a lost replica group without a restart (docs/cluster.md, "When a host
+// fails"). Under the hybrid strategies the F ranks of a shard group hold a whole replica of the
+// model; R such groups average their gradients. With live replicas each group is an fsdp job of
+// its own (its F ranks, its own process groups) and the groups average gradients once per step
+// over a replica group that is rebuilt whenever its members change, so that:
+//
+//   - when a group fails, the others discard the step it broke and redo it without it, at R - 1,
+//     within seconds, without reloading anything;
+//   - a replacement (a new host, or the failed one restarted) asks to join; at a step boundary a
+//     live group's ranks send it their shards, optimizer state and step, and from then on the job
+//     runs at R again.
+//
+// Who is in each step's quorum is decided by a coordinator that outlives every rank
+// (run_coordinator: fsdp-coordinator, or the local launcher): it hosts the store the ranks meet
+// in, watches their heartbeats and commits each step only when every member finished it, so that
+// every surviving group takes the same steps. A rank that cannot reach it stops with an error that
+// says so; what remains (the coordinator lost, a group without a live peer to copy from) is
+// restarted from the newest checkpoint by the launcher (fsdp/launch.h, --max-restarts).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include "fsdp/mesh.h"
+
+namespace fsdp {
+
+struct CoordinatorOptions {
+  int port = 29500;  // where the ranks reach it (their MASTER_PORT); 0: any free port
+  // A rank whose heartbeat has not changed for this long is gone. Environment: FSDP_LIVE_DEAD_AFTER_S.
+  std::chrono::milliseconds dead_after{std::chrono::seconds(3)};
+  // How long the first round waits for every replica group before it starts with those present.
+  std::chrono::milliseconds start_timeout{std::chrono::seconds(120)};
+  // How long it waits for a replacement when no group is left before it gives up (exit 1).
+  std::chrono::milliseconds empty_timeout{std::chrono::seconds(600)};
+  std::string events_jsonl;  // its decisions, one JSON object per line ("" : stderr only)
+  static CoordinatorOptions from_environment();  // the defaults with FSDP_LIVE_DEAD_AFTER_S applied
+};
+
+// Hosts the ranks' store on `port` and decides every round until all members finished training
+// (returns 0), or no group is left and none joins within empty_timeout (returns 1). `on_listening`
+// is called with the port once the store listens (the local launcher starts its ranks then).
+int run_coordinator(const CoordinatorOptions& options, const std::function<void(int port)>& on_listening = {});
+
+struct LiveOptions {
+  int ranks_per_replica = 1;  // F: ranks RANK / F * F ... + F - 1 are one replica group
+  int64_t total_steps = 0;    // the run's --steps: every rank must say the same
+  // Membership changes fixed in advance, "out:R@S,in:R@T": replica group R sits out from step S
+  // and comes back at step T (a run to compare a failure with). Every rank must say the same.
+  std::string schedule;
+  std::chrono::milliseconds heartbeat{std::chrono::milliseconds(200)};
+  // How long a rank waits for the coordinator's next decision before it stops with an error.
+  // Environment: FSDP_LIVE_TIMEOUT_S (default 120 s).
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  static LiveOptions from_environment();
+};
+
+// What changed at the start of a round, for the log.
+struct LiveRound {
+  int64_t number = 0;
+  int64_t step = 0;             // the training step this round computes
+  std::vector<int> members;     // replica groups in this step, ascending
+  std::vector<int> left;        // groups of the previous round that are not in this one
+  std::vector<int> joined;      // groups that got the state this round (from `source`)
+  int source = -1;
+  bool i_joined = false;        // this rank's group got its state this round
+  double wait_ms = 0;           // waiting for the decision and rebuilding the replica group
+  double transfer_ms = 0;       // sending or receiving the state
+  int64_t transfer_bytes = 0;   // this rank's part of it
+};
+
+class LiveReplicas {
+ public:
+  // Connects to the coordinator at MASTER_ADDR:MASTER_PORT, states the job's shape, starts the
+  // heartbeat and builds this rank's replica group mesh (F ranks, its own process groups) for fsdp.
+  // A rank that starts while its group's earlier ranks are gone is a replacement: it joins by
+  // calling next_round() like the others.
+  static std::shared_ptr<LiveReplicas> connect(const LaunchEnv& env, LiveOptions options,
+                                               MeshOptions mesh_options = MeshOptions::from_environment());
+  ~LiveReplicas();
+  LiveReplicas(const LiveReplicas&) = delete;
+  LiveReplicas& operator=(const LiveReplicas&) = delete;
+
+  // The F ranks of this replica group: what fsdp shards over (full_shard within the group).
+  const std::shared_ptr<Mesh>& replica_mesh() const;
+  int replica() const;     // which group, RANK / F
+  int replicas() const;    // R, the job's groups when all are in
+  int generation() const;  // 1 for the ranks the job started with, then one more per replacement
+  bool is_replacement() const { return generation() > 1; }
+
+  // Waits for the coordinator's next round. `held_step` is the step this rank's state is at (the
+  // next step it would run). When a group joins, the source group's values of `params` (this
+  // rank's shards, in the same order on every group), of `optimizer`'s state for them and of the
+  // step are sent to it (collective over the members). Returns the round; its step is the one to
+  // run (for a group that got in after the last step: the run's total, nothing to run). Throws when this rank's group was dropped (a peer of it is gone) or the
+  // coordinator cannot be reached; a group sitting out by the schedule waits inside until it is
+  // let back in.
+  LiveRound next_round(int64_t held_step, const std::vector<at::Tensor>& params, torch::optim::Optimizer* optimizer);
+
+  // Averages `tensors` (this rank's gradient shards and the loss, each already averaged over the
+  // group's F ranks) over the round's members, in place. False when a member failed during it
+  // (the step must then be discarded; `why` says what failed).
+  bool average(std::vector<at::Tensor>& tensors, std::string* why);
+
+  // Every member reports how its step went; the coordinator commits the step only when all
+  // finished it. True: apply the step. False: discard it (the next round redoes it).
+  bool commit(bool ok, const std::string& why);
+
+  // This rank finished training: the coordinator ends the job once every member has.
+  void finish();
+
+ private:
+  struct Impl;
+  explicit LiveReplicas(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,95 @@
+#include "fault_tolerance/quorum.h"
+
+#include <sstream>
+#include <stdexcept>
+
+namespace fsdp::detail {
+
+nlohmann::json Round::to_json() const {
+  nlohmann::json gens = nlohmann::json::object();
+  for (const auto& [r, g] : generation) gens[std::to_string(r)] = g;
+  return {{"number", number}, {"step", step},       {"epoch", epoch},
+          {"members", members}, {"generation", gens}, {"joining", joining},
+          {"source", source},   {"left", left},       {"sitting_out", sitting_out},
+          {"end", end}};
+}
+
+Round Round::from_json(const nlohmann::json& j) {
+  Round r;
+  r.number = j.at("number").get<int64_t>();
+  r.step = j.at("step").get<int64_t>();
+  r.epoch = j.at("epoch").get<int64_t>();
+  r.members = j.at("members").get<std::vector<int>>();
+  for (const auto& [k, v] : j.at("generation").items()) r.generation[std::stoi(k)] = v.get<int>();
+  r.joining = j.at("joining").get<std::vector<int>>();
+  r.source = j.at("source").get<int>();
+  r.left = j.at("left").get<std::vector<int>>();
+  r.sitting_out = j.at("sitting_out").get<std::vector<int>>();
+  r.end = j.at("end").get<bool>();
+  return r;
+}
+
+bool Round::has(int replica) const {
+  for (int m : members) {
+    if (m == replica) return true;
+  }
+  return false;
+}
+
+std::vector<ScheduledChange> parse_schedule(const std::string& text, int replicas) {
+  std::vector<ScheduledChange> out;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    if (item.empty()) continue;
+    const auto colon = item.find(':'), at = item.find('@');
+    ScheduledChange c;
+    bool ok = colon != std::string::npos && at != std::string::npos && at > colon;
+    if (ok) {
+      const std::string kind = item.substr(0, colon);
+      ok = kind == "out" || kind == "in";
+      c.out = kind == "out";
+      try {
+        size_t used = 0;
+        const std::string r = item.substr(colon + 1, at - colon - 1), s = item.substr(at + 1);
+        c.replica = std::stoi(r, &used);
+        ok = ok && used == r.size();
+        c.step = std::stoll(s, &used);
+        ok = ok && used == s.size();
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+    if (!ok || c.replica < 0 || c.replica >= replicas || c.step < 0) {
+      throw std::invalid_argument("fsdp: the live schedule item '" + item + "' is not out:R@S or in:R@S with R a replica "
+                                  "group (0.." + std::to_string(replicas - 1) + ") and S a step");
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+std::string LiveConfig::encode() const {
+  return std::to_string(world_size) + " " + std::to_string(ranks_per_replica) + " " + std::to_string(total_steps) +
+         " " + schedule;
+}
+
+LiveConfig LiveConfig::decode(const std::string& text) {
+  LiveConfig c;
+  std::istringstream in(text);
+  in >> c.world_size >> c.ranks_per_replica >> c.total_steps;
+  std::getline(in >> std::ws, c.schedule);
+  if (!in.eof() && in.fail()) throw std::runtime_error("fsdp: the live job's config '" + text + "' is damaged");
+  return c;
+}
+
+std::string to_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<uint8_t> to_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+std::string list_text(const std::vector<int>& groups) {
+  std::string s;
+  for (int g : groups) s += (s.empty() ? "" : ", ") + std::to_string(g);
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace fsdp::detail
