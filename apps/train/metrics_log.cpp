@@ -36,7 +36,7 @@ void JsonlWriter::write(const nlohmann::json& j) {
 
 nlohmann::json to_json(const StepRecord& r) {
   const fsdp::Metrics& m = r.metrics;
-  nlohmann::json j = {{"rank", r.rank}, {"step", r.step}, {"loss", r.loss}, {"grad_norm", r.grad_norm}, {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
+  nlohmann::json j = {{"rank", r.rank}, {"step", r.step}, {"time", r.time}, {"loss", r.loss}, {"grad_norm", r.grad_norm}, {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
           {"param_bytes_resident", m.memory.sharded_params},
           {"grad_bytes_resident", m.memory.sharded_grads},
           {"peak_unsharded_bytes", m.memory.unsharded_peak},

@@ -25,6 +25,7 @@ class JsonlWriter {
 
 struct StepRecord {
   int rank = 0, step = 0;
+  double time = 0;  // when the step ended (seconds since the Unix epoch): progress over wall time
   double loss = 0, step_ms = 0, tokens_per_s = 0;
   double grad_norm = -1;  // the global norm before clipping (-1: --clip 0)
   fsdp::Metrics metrics;

@@ -404,7 +404,7 @@ int train(const Config& c) {
     }
     return figures;
   };
-  RunSummary summary(workload->name() + ", " + trainee->describe() + ", W=" + std::to_string(W),
+  RunSummary summary(workload->name() + ", " + trainee->describe() + ", W=" + std::to_string(live ? data_W : W),
                      workload->throughput_unit());
   std::map<std::string, double> last_eval;  // the newest held-out figures, and after which step
   int last_eval_step = -1;
@@ -493,6 +493,7 @@ int train(const Config& c) {
     r.loss = mean_loss;
     r.grad_norm = grad_norm;
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    r.time = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
     r.metrics = trainee->metrics();
     r.memory = std::move(memory);
