@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -146,6 +147,39 @@ inline void expect_same_losses(const std::vector<double>& got, const std::vector
   for (size_t s = 0; s < got.size(); ++s) {
     EXPECT_GT(want[s], 0.0) << what << " step " << s;
     EXPECT_NEAR(got[s], want[s], rel * std::abs(want[s])) << what << " step " << s;
+  }
+}
+
+// fsdp-train's JSONL: the rows of one event ("replica_left", "restarted", ...).
+inline std::vector<nlohmann::json> events(const std::vector<nlohmann::json>& rows, const std::string& name) {
+  std::vector<nlohmann::json> out;
+  for (const auto& r : rows) {
+    if (r.value("event", "") == name) out.push_back(r);
+  }
+  return out;
+}
+
+// Rank `rank`'s loss per step (the last row of a step wins: a restarted run repeats steps).
+inline std::map<int, double> step_losses(const std::vector<nlohmann::json>& rows, int rank = 0) {
+  std::map<int, double> out;
+  for (const auto& r : rows) {
+    if (!r.contains("event") && r["rank"] == rank && r.contains("loss")) out[r["step"].get<int>()] = r["loss"].get<double>();
+  }
+  return out;
+}
+
+// fsdp-train's final state hash of each rank (its shards and its optimizer state).
+inline std::map<int, nlohmann::json> hashes(const std::vector<nlohmann::json>& rows) {
+  std::map<int, nlohmann::json> out;
+  for (const auto& e : events(rows, "state_hash")) out[e["rank"].get<int>()] = e;
+  return out;
+}
+
+inline void expect_same_step_losses(const std::map<int, double>& got, const std::map<int, double>& want, int steps) {
+  for (int s = 0; s < steps; ++s) {
+    ASSERT_TRUE(got.count(s)) << "no loss for step " << s;
+    ASSERT_TRUE(want.count(s)) << "no loss for step " << s << " in the run compared with";
+    EXPECT_NEAR(got.at(s), want.at(s), 1e-5 * std::abs(want.at(s))) << "step " << s;
   }
 }
 

@@ -21,10 +21,14 @@ using fsdp_test::sh;
 
 const std::string kScript = std::string(FSDP_SOURCE_DIR) + "/scripts/cluster";
 const std::string kTraffic = std::string(FSDP_SOURCE_DIR) + "/bench/cluster/traffic.py";
+std::string coordinator() { return fsdp_test::bin_dir() + "/fsdp-coordinator"; }
 
 std::string train_bin() { return fsdp_test::fsdp_train() + ""; }
 
 using fsdp_test::read_jsonl;
+using fsdp_test::events;
+using fsdp_test::hashes;
+using fsdp_test::step_losses;
 
 // The script's exit code 77 means it cannot make namespaces here (not root, no iproute2).
 #define SKIP_WITHOUT_NAMESPACES()                                                                          \
@@ -167,6 +171,172 @@ TEST(Cluster, HostThatNeverJoinsIsNamedByTheRendezvous) {
   EXPECT_NE(run.output.find("2 of 4 ranks never arrived at 198.18.0.1:29500 within 5 s: ranks 2 (node 1), 3 (node 1)"),
             std::string::npos)
       << run.output;
+}
+
+// Issue 28 (docs/cluster.md, "When a host fails"). 3 hosts x 2 ranks, hybrid_shard with F = 2:
+// three replica groups, one per host, and the coordinator on a host of its own.
+const std::string kLiveJob = " --model small --global-batch-size 12 --strategy hybrid_shard --live-replicas --log-every 1000 ";
+
+TEST(Cluster, LiveHostLostTrainsOnAndItsReplacementJoinsAsIfScheduled) {
+  SKIP_WITHOUT_NAMESPACES();
+  const std::string metrics = fsdp_test::temp_prefix("cluster-live") + ".jsonl";
+  std::remove(metrics.c_str());
+  const int steps = 24, S = 4;
+  // Host 1's ranks die after step S's backward (SIGKILL: the host is gone); the script starts a
+  // replacement for it at once, which asks to join.
+  const ShellRun run = sh("bash " + kScript + " --hosts 3 --ranks-per-host 2 --timeout 240 --coordinator " + coordinator() +
+                              " --kill-host 1@step" + std::to_string(S) + " --max-restarts 1 -- " + train_bin() + kLiveJob +
+                              "--steps " + std::to_string(steps) + " --metrics-jsonl " + metrics,
+                          300);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto rows = read_jsonl(metrics);
+  std::remove(metrics.c_str());
+  EXPECT_NE(run.output.find("starting a replacement for host 1"), std::string::npos) << run.output;
+
+  // Hosts 0 and 2 discarded step S and went on without host 1 within 10 s.
+  for (const int rank : {0, 1, 4, 5}) {
+    std::vector<json> left;
+    for (const auto& e : events(rows, "replica_left")) if (e["rank"] == rank) left.push_back(e);
+    ASSERT_EQ(left.size(), 1u) << "rank " << rank << "\n" << run.output;
+    EXPECT_EQ(left[0]["step"], S);
+    EXPECT_EQ(left[0]["replicas"], json::array({1}));
+    EXPECT_EQ(left[0]["members"], json::array({0, 2}));
+    EXPECT_LT(left[0]["pause_ms"].get<double>(), 10000.0) << left[0];
+  }
+  // The replacement joined at a step boundary with group 0's state.
+  std::vector<json> joined;
+  for (const auto& e : events(rows, "replica_joined")) if (e["rank"] == 0) joined.push_back(e);
+  ASSERT_EQ(joined.size(), 1u) << "the replacement never joined\n" << run.output;
+  const int back = joined[0]["step"].get<int>();
+  ASSERT_GT(back, S);
+  ASSERT_LT(back, steps) << run.output;
+  EXPECT_EQ(joined[0]["members"], json::array({0, 1, 2}));
+  int replacements = 0;
+  for (const auto& e : events(rows, "restarted")) replacements += e["replacement"].get<bool>() ? 1 : 0;
+  EXPECT_EQ(replacements, 2) << "host 1's two ranks, as a replacement";
+
+  // After it, the three replicas hold the same bits, shard group by shard group.
+  const auto h = hashes(rows);
+  ASSERT_EQ(h.size(), 6u) << run.output;
+  for (const int replica : {1, 2}) {
+    for (const int shard : {0, 1}) {
+      EXPECT_EQ(h.at(2 * replica + shard)["hash"], h.at(shard)["hash"]) << "replica " << replica << " shard " << shard;
+    }
+  }
+
+  // Losses equal a run configured from the start to leave replica 1 out from step S and bring it
+  // back at `back`: up to `back` that is the run that only leaves it out.
+  const std::string planned_metrics = fsdp_test::temp_prefix("cluster-live-planned") + ".jsonl";
+  std::remove(planned_metrics.c_str());
+  const ShellRun planned = sh("bash " + kScript + " --hosts 3 --ranks-per-host 2 --timeout 240 --coordinator " +
+                                  coordinator() + " -- " + train_bin() + kLiveJob + "--steps " + std::to_string(steps) +
+                                  " --live-schedule out:1@" + std::to_string(S) + ",in:1@" + std::to_string(back) +
+                                  " --metrics-jsonl " + planned_metrics,
+                              300);
+  ASSERT_EQ(planned.exit_code, 0) << planned.output;
+  const auto planned_rows = read_jsonl(planned_metrics);
+  std::remove(planned_metrics.c_str());
+  fsdp_test::expect_same_step_losses(step_losses(rows), step_losses(planned_rows), steps);
+  const auto p = hashes(planned_rows);
+  ASSERT_EQ(p.size(), 6u);
+  for (int r = 0; r < 6; ++r) EXPECT_EQ(h.at(r)["hash"], p.at(r)["hash"]) << "rank " << r;
+}
+
+// Shards and optimizer state of each rank at the end of `steps` of full_shard on the cluster.
+std::map<int, json> full_shard_run(const std::string& faults, const std::string& flags, int steps, std::vector<json>* rows_out,
+                                   std::string* output, int hosts = 2) {
+  const std::string metrics = fsdp_test::temp_prefix("cluster-restart") + ".jsonl";
+  std::remove(metrics.c_str());
+  const ShellRun run = sh("FSDP_LAUNCHER_GRACE_S=5 bash " + kScript + " --hosts " + std::to_string(hosts) +
+                              " --ranks-per-host 2 --timeout 240 " + faults + " -- " + train_bin() +
+                              " --model small --global-batch-size 12 --strategy full_shard --log-every 1000 --steps " +
+                              std::to_string(steps) + " " + flags + " --metrics-jsonl " + metrics,
+                          300);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  *output = run.output;
+  *rows_out = read_jsonl(metrics);
+  std::remove(metrics.c_str());
+  return hashes(*rows_out);
+}
+
+TEST(Cluster, FullShardWithARankKilledRestartsFromNewestCheckpointBitExact) {
+  SKIP_WITHOUT_NAMESPACES();
+  const std::string dir = fsdp_test::fresh_dir("cluster-restart-ckpt");
+  std::vector<json> hit_rows, clean_rows;
+  std::string hit_out, clean_out;
+  const auto hit = full_shard_run("--kill-host 1@step7 --max-restarts 1", "--save-every 5 --save-dir " + dir, 12,
+                                  &hit_rows, &hit_out);
+  const auto clean = full_shard_run("", "", 12, &clean_rows, &clean_out);
+  EXPECT_NE(hit_out.find("restarting every rank (restart 1 of 1)"), std::string::npos) << hit_out;
+  const auto restarted = events(hit_rows, "restarted");
+  ASSERT_EQ(restarted.size(), 4u) << hit_out;
+  for (const auto& e : restarted) EXPECT_EQ(e["resumed_step"], 5) << e;
+  ASSERT_EQ(hit.size(), 4u) << hit_out;
+  ASSERT_EQ(clean.size(), 4u) << clean_out;
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(hit.at(r)["hash"], clean.at(r)["hash"]) << "rank " << r;
+  fsdp_test::expect_same_step_losses(step_losses(hit_rows), step_losses(clean_rows), 12);
+  sh("rm -rf " + dir);
+}
+
+TEST(Cluster, HostThatStaysDownRestartsTheJobSmaller) {
+  SKIP_WITHOUT_NAMESPACES();
+  // torchrun's --nnodes 2:3: host 2 is lost for good at step 7; the job goes on with hosts 0 and 1
+  // (W = 4) from the checkpoint W = 6 saved, with the same global batch.
+  const std::string dir = fsdp_test::fresh_dir("cluster-elastic-ckpt");
+  std::vector<json> hit_rows, clean_rows;
+  std::string hit_out, clean_out;
+  full_shard_run("--kill-host 2@step7 --max-restarts 1 --min-hosts 2 --host-down 100000", "--save-every 5 --save-dir " + dir,
+                 10, &hit_rows, &hit_out, 3);
+  full_shard_run("", "", 10, &clean_rows, &clean_out, 3);
+  const auto restarted = events(hit_rows, "restarted");
+  ASSERT_EQ(restarted.size(), 4u) << "four ranks on two hosts\n" << hit_out;
+  for (const auto& e : restarted) EXPECT_EQ(e["resumed_step"], 5) << e;
+  EXPECT_NE(hit_out.find("restarting every rank (restart 1 of 1)"), std::string::npos) << hit_out;
+  int rows_after = 0;
+  for (const auto& r : hit_rows) {
+    if (r.contains("event") || r["step"].get<int>() < 7) continue;
+    EXPECT_LT(r["rank"].get<int>(), 4) << "host 2 is down: " << r.dump();
+    ++rows_after;
+  }
+  EXPECT_EQ(rows_after, 3 * 4) << "steps 7, 8 and 9 on four ranks";
+  fsdp_test::expect_same_step_losses(step_losses(hit_rows), step_losses(clean_rows), 10);
+  sh("rm -rf " + dir);
+}
+
+TEST(Cluster, LostCoordinatorRestartsTheWholeLiveJobFromCheckpoints) {
+  SKIP_WITHOUT_NAMESPACES();
+  // The coordinator is what no live group can replace: its loss stops every rank with an error
+  // that says so, and the script starts the job again (a fresh coordinator, every rank resuming
+  // from its group's newest checkpoint), which trains to the end.
+  const std::string dir = fsdp_test::fresh_dir("cluster-coord-ckpt");
+  const std::string metrics = fsdp_test::temp_prefix("cluster-coord") + ".jsonl";
+  std::remove(metrics.c_str());
+  const int steps = 120;
+  const ShellRun run = sh("bash " + kScript + " --hosts 2 --ranks-per-host 2 --timeout 240 --coordinator " + coordinator() +
+                              " --kill-host c@10 --max-restarts 1 -- " + train_bin() + kLiveJob +
+                              "--global-batch-size 8 --steps " + std::to_string(steps) + " --save-every 10 --save-dir " +
+                              dir + " --metrics-jsonl " + metrics,
+                          300);
+  const auto rows = read_jsonl(metrics);
+  std::remove(metrics.c_str());
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("restarting the whole job (restart 1 of 1)"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("lost the coordinator"), std::string::npos) << run.output;
+  const auto restarted = events(rows, "restarted");
+  ASSERT_EQ(restarted.size(), 4u) << run.output;
+  const int resumed = restarted[0]["resumed_step"].get<int>();
+  EXPECT_GT(resumed, 0) << "killed 10 s in: a checkpoint was saved by then\n" << run.output;
+  for (const auto& e : restarted) {
+    EXPECT_EQ(e["resumed_step"], resumed) << "every group resumes from the same step";
+    EXPECT_FALSE(e["replacement"].get<bool>());
+  }
+  const auto losses = step_losses(rows);
+  ASSERT_TRUE(losses.count(steps - 1)) << run.output;
+  const auto h = hashes(rows);
+  ASSERT_EQ(h.size(), 4u);
+  EXPECT_EQ(h.at(0)["hash"], h.at(2)["hash"]);
+  EXPECT_EQ(h.at(1)["hash"], h.at(3)["hash"]);
+  sh("rm -rf " + dir);
 }
 
 TEST(Cluster, ScriptLeavesNothingBehind) {

@@ -4,16 +4,65 @@
 // model (--model dhen-*) on synthetic clicks. Sharded with fsdp across local ranks
 // (--nproc-per-node) or ranks started by torchrun. The global batch is fixed whatever the world
 // size, so runs at different W compute the same math.
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <iostream>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
 
 #include "config.h"
+#include "fsdp/fault_tolerance.h"
 #include "fsdp/launch.h"
 #include "run_folder.h"
+
+namespace {
+
+// --live-replicas with --nproc-per-node: this process is the coordinator (in a thread: it outlives
+// every rank) and the launcher, which starts a failed rank again alone so that it joins the groups
+// that trained on (fsdp/launch.h, RestartScope::rank).
+int launch_live_locally(std::vector<char*>& args) {
+  auto port = std::make_shared<std::promise<int>>();
+  auto verdict = std::make_shared<std::promise<int>>();
+  std::future<int> port_f = port->get_future(), verdict_f = verdict->get_future();
+  std::thread([port, verdict] {
+    bool listening = false;
+    try {
+      fsdp::CoordinatorOptions o = fsdp::CoordinatorOptions::from_environment();
+      o.port = 0;
+      verdict->set_value(fsdp::run_coordinator(o, [&](int p) {
+        listening = true;
+        port->set_value(p);
+      }));
+    } catch (...) {
+      if (!listening) port->set_exception(std::current_exception());
+      verdict->set_exception(std::current_exception());
+    }
+  }).detach();
+  const int master_port = port_f.get();
+  const auto launched = fsdp::maybe_launch_local(static_cast<int>(args.size()), args.data(), master_port,
+                                                 fsdp::RestartScope::rank);
+  const int code = launched.value_or(1);
+  // Every rank ended. The coordinator ends too once the last member finished every step (it stays
+  // up to 10 s for stragglers); if it still waits, it waits for a replacement nobody will start.
+  if (verdict_f.wait_for(std::chrono::seconds(15)) == std::future_status::ready) {
+    const int decided = verdict_f.get();
+    // 0: every step was trained by the groups in the job, whatever happened to the ones that left.
+    return decided == 0 ? 0 : (code != 0 ? code : decided);
+  }
+  std::cerr << "fsdp-train: every rank ended before the job's last step and none is left to rejoin (out of "
+               "--max-restarts): the job failed\n"
+            << std::flush;
+  std::fflush(nullptr);
+  std::_Exit(code != 0 ? code : 1);  // the coordinator's thread still runs: leave without destructors
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   train::Config c;
@@ -33,11 +82,19 @@ int main(int argc, char** argv) {
     // holds the start time) is fixed here, once, for every start.
     std::vector<std::string> args{argv, argv + argc};
     const bool launcher = std::getenv("RANK") == nullptr && std::getenv("WORLD_SIZE") == nullptr;
-    if (launcher && c.max_restarts > 0 && c.save_dir.empty() && c.run_dir == "auto") {
+    if (launcher && c.max_restarts > 0 && !c.live_replicas && c.save_dir.empty() && c.run_dir == "auto") {
       args.insert(args.end(), {"--run-dir", train::default_run_dir(c)});
     }
     std::vector<char*> pointers;
     for (auto& a : args) pointers.push_back(a.data());
+    if (launcher && c.live_replicas) {
+      if (c.nproc <= 0) {
+        throw std::invalid_argument(
+            "--live-replicas needs more than one replica group: give --nproc-per-node N to run the ranks and their "
+            "coordinator here, or start fsdp-coordinator and launch the ranks with torchrun (docs/cluster.md)");
+      }
+      return launch_live_locally(pointers);
+    }
     if (auto code = fsdp::maybe_launch_local(static_cast<int>(pointers.size()), pointers.data())) return *code;
     if (launcher) {
       // Neither launched nor asked to launch: one local rank.

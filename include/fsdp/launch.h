@@ -21,7 +21,19 @@ namespace fsdp {
 // again, up to that many times, with TORCHELASTIC_RESTART_COUNT = the restart (as torchrun sets
 // it): the program resumes from its newest checkpoint (fsdp-train does). An interrupt (SIGINT,
 // SIGTERM to the launcher) is not restarted.
-int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0, int max_restarts = 0);
+//
+// What a restart starts again (`scope`):
+//   RestartScope::job  every rank, from the newest checkpoint (the default; full_shard and anything
+//                      that cannot lose a rank);
+//   RestartScope::rank only the rank that failed, with TORCHELASTIC_RESTART_COUNT = the restarts so
+//                      far, and the others are left running: live replica groups
+//                      (fsdp/fault_tolerance.h), where the surviving groups train on and the
+//                      restarted ranks join them as a replacement. The store must then be the
+//                      coordinator's (`master_port` names it). Out of restarts, a failed rank stays
+//                      down and the others still run on: the coordinator decides when the job ends.
+enum class RestartScope { job, rank };
+int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0, int max_restarts = 0,
+                 RestartScope scope = RestartScope::job);
 
 // Set (to 1) in the ranks' environment by launch_local when the launcher hosts the job's store
 // itself (master_port 0: a port it holds for the job's life); rank 0 then connects as a client.
@@ -31,6 +43,8 @@ inline constexpr const char* kStoreHostedEnv = "FSDP_STORE_HOSTED";
 // process is not itself a launched rank, runs launch_local() on the same command line without
 // that flag and returns its exit code ("--max-restarts N" is the launcher's too: not passed on).
 // Otherwise returns nullopt and the program runs as one rank.
-std::optional<int> maybe_launch_local(int argc, char** argv);
+// `master_port` and `scope` as for launch_local.
+std::optional<int> maybe_launch_local(int argc, char** argv, int master_port = 0,
+                                      RestartScope scope = RestartScope::job);
 
 }  // namespace fsdp

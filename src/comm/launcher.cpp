@@ -60,8 +60,10 @@ double launcher_grace_seconds() {
 namespace {
 
 // One start of the job: its store, its ranks, and the supervision until every rank ended.
-// Returns 0 or the first failure's exit code.
-int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, int restart, int max_restarts) {
+// Returns 0 or the first failure's exit code. With RestartScope::rank a failed rank is started
+// again alone while `*restarts` < max_restarts (counted across the job), and nobody is stopped.
+int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, int* restarts, int max_restarts,
+              RestartScope scope) {
   // The job's store, hosted here on a port the kernel picks and this process holds for the job's
   // whole life; the ranks connect to it as clients (kStoreHostedEnv). Picking a free port and
   // letting rank 0 bind it later raced with the sockets of jobs running beside this one (a test
@@ -77,8 +79,6 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
     master_port = store->getPort();
   }
 
-  // Every rank's environment and arguments are built before forking: this process has threads
-  // (the store's), and a forked child may only exec.
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -91,10 +91,10 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
     const std::string key = entry.substr(0, entry.find('='));
     if (std::find(overridden.begin(), overridden.end(), key) == overridden.end()) inherited.push_back(entry);
   }
-  std::vector<std::vector<std::string>> env_strings(static_cast<size_t>(nproc), inherited);
-  std::vector<std::vector<char*>> envs(static_cast<size_t>(nproc));
-  for (int r = 0; r < nproc; ++r) {
-    auto& e = env_strings[static_cast<size_t>(r)];
+  // A rank's environment is built before forking: this process has threads (the store's, a
+  // coordinator's), and a forked child may only exec.
+  auto spawn = [&](int r) {
+    std::vector<std::string> e = inherited;
     e.push_back("RANK=" + std::to_string(r));
     e.push_back("LOCAL_RANK=" + std::to_string(r));
     e.push_back("WORLD_SIZE=" + std::to_string(nproc));
@@ -102,25 +102,25 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
     e.push_back("MASTER_ADDR=127.0.0.1");
     e.push_back("MASTER_PORT=" + std::to_string(master_port));
     // As torchrun names them: a program resumes from its newest checkpoint when restarted.
-    e.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(restart));
+    e.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(*restarts));
     e.push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
     if (store) e.push_back(std::string(kStoreHostedEnv) + "=1");
-    for (auto& s : e) envs[static_cast<size_t>(r)].push_back(const_cast<char*>(s.c_str()));
-    envs[static_cast<size_t>(r)].push_back(nullptr);
-  }
-
-  std::vector<pid_t> pids;
-  for (int r = 0; r < nproc; ++r) {
+    std::vector<char*> env;
+    for (auto& v : e) env.push_back(const_cast<char*>(v.c_str()));
+    env.push_back(nullptr);
     pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("fsdp: fork() failed while launching rank " + std::to_string(r));
     if (pid == 0) {
-      ::execve(args[0], args.data(), envs[static_cast<size_t>(r)].data());
+      ::execve(args[0], args.data(), env.data());
       static const char msg[] = "fsdp: could not exec the rank's program\n";
       (void)!::write(2, msg, sizeof(msg) - 1);
       ::_exit(127);
     }
-    pids.push_back(pid);
-  }
+    return pid;
+  };
+
+  std::vector<pid_t> pids;
+  for (int r = 0; r < nproc; ++r) pids.push_back(spawn(r));
 
   // When a rank fails, the launcher says which and how, then gives the others a grace period to
   // notice it on their own (their collectives fail as soon as the peer's sockets close) and report
@@ -146,6 +146,19 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
         const int code = exit_code_of(status);
         if (code == 0) continue;
         std::cerr << "fsdp launcher: rank " << r << " (pid " << done << ") " << describe_exit(status) << std::endl;
+        if (scope == RestartScope::rank) {
+          // The coordinator decides what the others do; this rank comes back as a replacement.
+          if (*restarts < max_restarts && g_stop_signal == 0) {
+            ++*restarts;
+            std::cerr << "fsdp launcher: starting rank " << r << " again (restart " << *restarts << " of "
+                      << max_restarts << "); it joins the live replica groups" << std::endl;
+            pids[r] = spawn(static_cast<int>(r));
+            ++running;
+          } else if (first_failure == 0) {
+            first_failure = code;
+          }
+          continue;
+        }
         if (first_failure == 0) {
           first_failure = code;
           if (running > 0) {
@@ -177,21 +190,28 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
 
 }  // namespace
 
-int launch_local(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts) {
+int launch_local(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts,
+                 RestartScope scope) {
   if (nproc < 1) throw std::invalid_argument("fsdp: --nproc-per-node must be at least 1");
   if (argv.empty()) throw std::invalid_argument("fsdp: launch_local needs a program to run");
   if (max_restarts < 0) throw std::invalid_argument("fsdp: --max-restarts must be 0 or more");
+  if (scope == RestartScope::rank && master_port == 0) {
+    throw std::invalid_argument("fsdp: restarting single ranks needs the coordinator's store (a master_port)");
+  }
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   struct sigaction old_int {}, old_term {};
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
   int code = 0;
-  for (int restart = 0;; ++restart) {
-    code = run_ranks(nproc, argv, master_port, restart, max_restarts);
-    // Done, interrupted (a person's ^C is not a failure to recover from), or out of restarts.
-    if (code == 0 || g_stop_signal != 0 || restart >= max_restarts) break;
-    std::cerr << "fsdp launcher: restarting all " << nproc << " ranks (restart " << restart + 1 << " of "
+  int restarts = 0;
+  while (true) {
+    code = run_ranks(nproc, argv, master_port, &restarts, max_restarts, scope);
+    // Done, interrupted (a person's ^C is not a failure to recover from), out of restarts, or
+    // restarted rank by rank already.
+    if (code == 0 || g_stop_signal != 0 || restarts >= max_restarts || scope == RestartScope::rank) break;
+    ++restarts;
+    std::cerr << "fsdp launcher: restarting all " << nproc << " ranks (restart " << restarts << " of "
               << max_restarts << "); they resume from the newest checkpoint" << std::endl;
   }
   sigaction(SIGINT, &old_int, nullptr);
@@ -199,7 +219,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
   return code;
 }
 
-std::optional<int> maybe_launch_local(int argc, char** argv) {
+std::optional<int> maybe_launch_local(int argc, char** argv, int master_port, RestartScope scope) {
   std::vector<std::string> rest{"/proc/self/exe"};
   int nproc = -1;
   int max_restarts = 0;
@@ -236,7 +256,7 @@ std::optional<int> maybe_launch_local(int argc, char** argv) {
     nproc = static_cast<int>(n);
   }
   if (nproc < 0) return std::nullopt;
-  return launch_local(nproc, rest, 0, max_restarts);
+  return launch_local(nproc, rest, master_port, max_restarts, scope);
 }
 
 }  // namespace fsdp
