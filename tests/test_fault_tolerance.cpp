@@ -17,6 +17,7 @@ using fsdp_test::sh;
 using fsdp_test::events;
 using fsdp_test::hashes;
 using fsdp_test::step_losses;
+using fsdp_test::expect_same_step_losses;
 
 struct Result {
   fsdp_test::Run run;
@@ -85,8 +86,9 @@ TEST(FaultTolerance, LiveReplicaGroupLeavesAndRejoinsLocallyAsIfScheduled) {
   EXPECT_EQ(left[0]["replicas"], json::array({1}));
   EXPECT_LT(left[0]["pause_ms"].get<double>(), 10000.0);
   ASSERT_EQ(joined.size(), 1u) << "the replacement never joined\n" << hit.run.output;
+  // The replacement may be ready before step 3 is redone: then it joins in that very round.
   const int back = joined[0]["step"].get<int>();
-  EXPECT_GT(back, 3);
+  EXPECT_GE(back, 3);
   EXPECT_EQ(joined[0]["source"], 0);
   EXPECT_GT(joined[0]["transfer_bytes"].get<int64_t>(), 0);
   EXPECT_FALSE(events(hit.rows, "step_discarded").empty()) << "step 3 was not discarded";
@@ -97,8 +99,10 @@ TEST(FaultTolerance, LiveReplicaGroupLeavesAndRejoinsLocallyAsIfScheduled) {
   EXPECT_EQ(h.at(0)["hash"], h.at(2)["hash"]);
   EXPECT_EQ(h.at(1)["hash"], h.at(3)["hash"]);
 
-  // The same as a run told from the start that group 1 sits out from step 3 and is back at `back`.
-  const Result planned = train("", job + "--live-schedule out:1@3,in:1@" + std::to_string(back));
+  // The same as a run told from the start that group 1 sits out from step 3 and is back at `back`
+  // (back at 3: the same as a run where nothing happened).
+  const Result planned =
+      train("", job + (back > 3 ? "--live-schedule out:1@3,in:1@" + std::to_string(back) : std::string()));
   ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
   expect_same_step_losses(step_losses(hit.rows), step_losses(planned.rows), 12);
   const auto p = hashes(planned.rows);

@@ -26,7 +26,11 @@ std::string LiveTraining::strategy_within(const std::string& strategy) {
   return strategy == "hybrid_shard_zero2" ? "shard_grad_op" : "full_shard";
 }
 
-std::unique_ptr<LiveTraining> LiveTraining::connect(const Config& c, const fsdp::LaunchEnv& env) {
+int LiveTraining::ranks_per_replica(const Config& c, int local_world_size) {
+  return c.shard_size > 0 ? c.shard_size : local_world_size;
+}
+
+void LiveTraining::check(const Config& c, int world_size, int local_world_size) {
   if (c.strategy != "hybrid_shard" && c.strategy != "hybrid_shard_zero2") {
     throw std::invalid_argument("--live-replicas keeps the replica groups of a hybrid strategy training when one fails; "
                                 "--strategy " + c.strategy + " has no replicas to keep. Use --strategy hybrid_shard "
@@ -42,8 +46,13 @@ std::unique_ptr<LiveTraining> LiveTraining::connect(const Config& c, const fsdp:
                                   "state from a peer, or the groups would part); drop one of them");
     }
   }
+  fsdp::check_live_layout(world_size, local_world_size, ranks_per_replica(c, local_world_size));
+}
+
+std::unique_ptr<LiveTraining> LiveTraining::connect(const Config& c, const fsdp::LaunchEnv& env) {
+  check(c, env.world_size, env.local_world_size);
   fsdp::LiveOptions o = fsdp::LiveOptions::from_environment();
-  o.ranks_per_replica = c.shard_size > 0 ? c.shard_size : env.local_world_size;
+  o.ranks_per_replica = ranks_per_replica(c, env.local_world_size);
   o.total_steps = c.steps;
   o.schedule = c.live_schedule;
   return std::unique_ptr<LiveTraining>(new LiveTraining(c, fsdp::LiveReplicas::connect(env, o)));

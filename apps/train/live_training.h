@@ -24,6 +24,10 @@ class LiveTraining {
   // Connects to the coordinator (MASTER_ADDR:MASTER_PORT) as this rank of the job. Checks the
   // flags first: a hybrid strategy, at least two groups, nothing that differs per group.
   static std::unique_ptr<LiveTraining> connect(const Config& c, const fsdp::LaunchEnv& env);
+  // Refuses flags and layouts live groups cannot keep (a launcher calls it before any rank starts).
+  static void check(const Config& c, int world_size, int local_world_size);
+  // F: --shard-size, or the ranks of a host.
+  static int ranks_per_replica(const Config& c, int local_world_size);
 
   fsdp::LiveReplicas& replicas() { return *live_; }
   const std::shared_ptr<fsdp::Mesh>& mesh() const { return live_->replica_mesh(); }

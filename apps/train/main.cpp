@@ -19,6 +19,7 @@
 #include "config.h"
 #include "fsdp/fault_tolerance.h"
 #include "fsdp/launch.h"
+#include "live_training.h"
 #include "run_folder.h"
 
 namespace {
@@ -49,8 +50,10 @@ int launch_live_locally(std::vector<char*>& args) {
                                                  fsdp::RestartScope::rank);
   const int code = launched.value_or(1);
   // Every rank ended. The coordinator ends too once the last member finished every step (it stays
-  // up to 10 s for stragglers); if it still waits, it waits for a replacement nobody will start.
-  if (verdict_f.wait_for(std::chrono::seconds(15)) == std::future_status::ready) {
+  // while a rank's heartbeat is fresh); if it still waits, it waits for a replacement nobody will start.
+  // It lingers while a heartbeat is fresh: at most dead_after once the last rank ended.
+  const auto linger = fsdp::CoordinatorOptions::from_environment().dead_after + std::chrono::seconds(3);
+  if (verdict_f.wait_for(linger) == std::future_status::ready) {
     const int decided = verdict_f.get();
     // 0: every step was trained by the groups in the job, whatever happened to the ones that left.
     return decided == 0 ? 0 : (code != 0 ? code : decided);
@@ -93,6 +96,7 @@ int main(int argc, char** argv) {
             "--live-replicas needs more than one replica group: give --nproc-per-node N to run the ranks and their "
             "coordinator here, or start fsdp-coordinator and launch the ranks with torchrun (docs/cluster.md)");
       }
+      train::LiveTraining::check(c, c.nproc, c.nproc);
       return launch_live_locally(pointers);
     }
     if (auto code = fsdp::maybe_launch_local(static_cast<int>(pointers.size()), pointers.data())) return *code;

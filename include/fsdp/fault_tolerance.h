@@ -62,6 +62,11 @@ struct LiveOptions {
   static LiveOptions from_environment();
 };
 
+// Refuses, with what to change, a job whose ranks cannot form live replica groups: F must divide
+// the world size, leave at least 2 groups, and be whole hosts or divide one. LiveReplicas::connect
+// checks it on every rank; a launcher can check it before it starts any.
+void check_live_layout(int world_size, int local_world_size, int ranks_per_replica);
+
 // What changed at the start of a round, for the log.
 struct LiveRound {
   int64_t number = 0;

@@ -126,8 +126,8 @@ struct LiveReplicas::Impl {
   [[noreturn]] void lost(const std::string& what, const std::exception& e) const {
     throw std::runtime_error("fsdp: rank " + me() + " (replica group " + std::to_string(replica) + ") " + what +
                              " the live replicas' coordinator at " + env.master_addr + ":" +
-                             std::to_string(env.master_port) + ": it is gone or unreachable; the job restarts from its "
-                             "newest checkpoint (the launcher's --max-restarts). (" + first_line(e.what()) + ")");
+                             std::to_string(env.master_port) + ": it is gone or unreachable, and with it who is in each "
+                             "step: restart the job from its newest checkpoint (the launcher's --max-restarts does). (" + first_line(e.what()) + ")");
   }
   bool has(const std::string& k) {
     try {
@@ -161,9 +161,13 @@ struct LiveReplicas::Impl {
 
   // Blocks until the coordinator writes `k`; its loss or silence is this rank's error.
   std::string wait_for(const std::string& k, const char* what) {
+    const auto t0 = Clock::now();
     try {
       store->wait({key(k)}, options.timeout);
     } catch (const std::exception& e) {
+      // Its connection closed (it died) or it said nothing for the whole timeout (it hangs, or
+      // the network between is down).
+      if (Clock::now() - t0 < options.timeout) lost("lost", e);
       lost("got no " + std::string(what) + " within " + std::to_string(options.timeout.count() / 1000) +
                " s (FSDP_LIVE_TIMEOUT_S) from",
            e);
@@ -287,21 +291,25 @@ LiveReplicas::~LiveReplicas() {
   if (impl_->group && impl_->poisoned) (void)impl_->group.release();
 }
 
-std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOptions options, MeshOptions mesh_options) {
-  const int F = options.ranks_per_replica;
-  if (F < 1 || env.world_size % F != 0) {
+void check_live_layout(int world_size, int local_world_size, int F) {
+  if (F < 1 || world_size % F != 0) {
     throw std::invalid_argument("fsdp: live replicas of " + std::to_string(F) + " ranks each do not divide the " +
-                                std::to_string(env.world_size) + " ranks: the shard size must divide the world size");
+                                std::to_string(world_size) + " ranks: the shard size must divide the world size");
   }
-  if (env.world_size / F < 2) {
+  if (world_size / F < 2) {
     throw std::invalid_argument("fsdp: live replicas need at least 2 replica groups (the world size over the shard "
-                                "size is " + std::to_string(env.world_size / F) + "): with one there is nobody to "
+                                "size is " + std::to_string(world_size / F) + "): with one there is nobody to "
                                 "keep training when it fails; use the launcher's --max-restarts instead");
   }
-  if (F > env.local_world_size ? F % env.local_world_size != 0 : env.local_world_size % F != 0) {
+  if (F > local_world_size ? F % local_world_size != 0 : local_world_size % F != 0) {
     throw std::invalid_argument("fsdp: a live replica group of " + std::to_string(F) + " ranks must be whole hosts or "
-                                "divide one (" + std::to_string(env.local_world_size) + " ranks per host)");
+                                "divide one (" + std::to_string(local_world_size) + " ranks per host)");
   }
+}
+
+std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOptions options, MeshOptions mesh_options) {
+  const int F = options.ranks_per_replica;
+  check_live_layout(env.world_size, env.local_world_size, F);
   auto impl = std::make_unique<Impl>();
   impl->env = env;
   impl->options = options;
