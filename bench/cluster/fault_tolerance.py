@@ -91,12 +91,13 @@ def summarize(name, all_rows, coordinator, a, rc, wall, log):
     kills = [l for l in open(log) if "killed host" in l]
     restarts = [e for e in events if e["event"] == "restarted" and e.get("rank") == 0]
     left = [e for e in events if e["event"] == "replica_left"]
-    joined = [e for e in events if e["event"] == "replica_joined" and e.get("i_joined")]
+    # Seen by the groups that were already in (a replacement logs its own arrival as its first step).
+    joined = [e for e in events if e["event"] == "replica_joined" and not e.get("i_joined")]
     pauses = sorted({round(e["pause_ms"]) for e in left})
     return {
         "run": name, "exit_code": rc, "wall_s": round(wall, 1), "kept_steps": kept,
         "samples_in_kept_steps": round(samples, 1), "kills": len(kills), "restarts": len(restarts),
-        "replica_left_events": len(left), "joins": len({(e["replica"], e["step"]) for e in joined}),
+        "replica_left_events": len(left), "joins": len({(tuple(e["replicas"]), e["step"]) for e in joined}),
         "pause_ms": pauses,
         "median_step_ms": sorted(r["step_ms"] for r in steps)[len(steps) // 2] if steps else None,
         "discarded_steps": len({(e["replica"], e["time"] // 1) for e in events if e["event"] == "step_discarded"}),
