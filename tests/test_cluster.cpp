@@ -181,11 +181,12 @@ TEST(Cluster, LiveHostLostTrainsOnAndItsReplacementJoinsAsIfScheduled) {
   SKIP_WITHOUT_NAMESPACES();
   const std::string metrics = fsdp_test::temp_prefix("cluster-live") + ".jsonl";
   std::remove(metrics.c_str());
-  const int steps = 120, S = 4;
+  const int steps = 200, S = 4;
   // Host 1's ranks die after step S's backward (SIGKILL: the host is gone); hosts 0 and 2 train
-  // on; 3 s later the script starts a replacement for it, which asks to join.
+  // on; 6 s later the script starts a replacement for it, which asks to join (200 steps take
+  // about 18 s here).
   const ShellRun run = sh("bash " + kScript + " --hosts 3 --ranks-per-host 2 --timeout 240 --coordinator " + coordinator() +
-                              " --kill-host 1@step" + std::to_string(S) + " --host-down 3 --max-restarts 1 -- " + train_bin() + kLiveJob +
+                              " --kill-host 1@step" + std::to_string(S) + " --host-down 6 --max-restarts 1 -- " + train_bin() + kLiveJob +
                               "--steps " + std::to_string(steps) + " --metrics-jsonl " + metrics,
                           300);
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -242,6 +243,44 @@ TEST(Cluster, LiveHostLostTrainsOnAndItsReplacementJoinsAsIfScheduled) {
   for (int r = 0; r < 6; ++r) EXPECT_EQ(h.at(r)["hash"], p.at(r)["hash"]) << "rank " << r;
 }
 
+TEST(Cluster, LiveHostWhoseLinkIsCutIsLeftOutWithinSeconds) {
+  SKIP_WITHOUT_NAMESPACES();
+  // A cut link sends no reset: host 1's heartbeats stop reaching the coordinator, which drops its
+  // group after --dead-after (3 s); hosts 0 and 2 abandon the step they were in and train on.
+  // Host 1's ranks hear nothing more: their replica collective times out
+  // (FSDP_COLLECTIVE_TIMEOUT_S), then their store calls (FSDP_INIT_TIMEOUT_S bounds the client's
+  // socket), and they stop with the coordinator named, on their own.
+  const std::string metrics = fsdp_test::temp_prefix("cluster-live-cut") + ".jsonl";
+  std::remove(metrics.c_str());
+  const int steps = 200;
+  const ShellRun run = sh("FSDP_LIVE_TIMEOUT_S=10 FSDP_COLLECTIVE_TIMEOUT_S=5 FSDP_INIT_TIMEOUT_S=8 "
+                          "FSDP_LAUNCHER_GRACE_S=45 bash " + kScript +
+                              " --hosts 3 --ranks-per-host 2 --timeout 240 --coordinator " + coordinator() +
+                              " --cut-link 1@6 -- " + train_bin() + kLiveJob + "--steps " + std::to_string(steps) +
+                              " --metrics-jsonl " + metrics,
+                          300);
+  const auto rows = read_jsonl(metrics);
+  std::remove(metrics.c_str());
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("cut host 1's link"), std::string::npos) << run.output;
+  std::vector<json> left;
+  for (const auto& e : events(rows, "replica_left")) if (e["rank"] == 0) left.push_back(e);
+  ASSERT_EQ(left.size(), 1u) << run.output;
+  EXPECT_EQ(left[0]["replicas"], json::array({1}));
+  EXPECT_LT(left[0]["step"].get<int>(), steps - 1) << "the cut came after the job: make it longer";
+  EXPECT_LT(left[0]["pause_ms"].get<double>(), 10000.0) << left[0];
+  // Host 1's ranks ended with the reason.
+  for (const int rank : {2, 3}) {
+    EXPECT_NE(run.output.find("rank " + std::to_string(rank) + " (replica group 1) "), std::string::npos) << run.output;
+  }
+  const auto losses = step_losses(rows);
+  EXPECT_TRUE(losses.count(steps - 1)) << run.output;
+  const auto h = hashes(rows);
+  ASSERT_TRUE(h.count(0) && h.count(4)) << run.output;
+  EXPECT_EQ(h.at(0)["hash"], h.at(4)["hash"]);
+  EXPECT_EQ(h.at(1)["hash"], h.at(5)["hash"]);
+}
+
 // Shards and optimizer state of each rank at the end of `steps` of full_shard on the cluster.
 std::map<int, json> full_shard_run(const std::string& faults, const std::string& flags, int steps, std::vector<json>* rows_out,
                                    std::string* output, int hosts = 2) {
@@ -249,7 +288,7 @@ std::map<int, json> full_shard_run(const std::string& faults, const std::string&
   std::remove(metrics.c_str());
   const ShellRun run = sh("FSDP_LAUNCHER_GRACE_S=5 bash " + kScript + " --hosts " + std::to_string(hosts) +
                               " --ranks-per-host 2 --timeout 240 " + faults + " -- " + train_bin() +
-                              " --model small --global-batch-size 12 --strategy full_shard --log-every 1000 --steps " +
+                              " --model small --global-batch-size 12 --strategy full_shard --log-every 1000 --state-hash --steps " +
                               std::to_string(steps) + " " + flags + " --metrics-jsonl " + metrics,
                           300);
   EXPECT_EQ(run.exit_code, 0) << run.output;

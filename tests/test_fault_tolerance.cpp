@@ -40,7 +40,7 @@ const std::string kTiny = " --model tiny --global-batch-size 8 --block-size 32 "
 
 TEST(FaultTolerance, LauncherRestartsFullShardFromNewestCheckpointBitExact) {
   const std::string dir = fsdp_test::fresh_dir("ft-restart");
-  const std::string job = kTiny + "--nproc-per-node 2 --strategy full_shard --steps 9 ";
+  const std::string job = kTiny + "--nproc-per-node 2 --strategy full_shard --steps 9 --state-hash ";
   // Rank 1 dies after step 6's backward: the launcher stops rank 0, starts both again, and they
   // resume from step-00000005 (saved after step 4 ... every 5 steps) to the end.
   const Result hit = train("FSDP_FAULT_KILL_AT_STEP=6 FSDP_FAULT_KILL_RANKS=1 FSDP_LAUNCHER_GRACE_S=5",
@@ -70,10 +70,10 @@ TEST(FaultTolerance, LauncherOutOfRestartsReportsTheFailure) {
   EXPECT_EQ(r.run.output.find("restarting"), std::string::npos) << r.run.output;
 }
 
-// Four ranks, two replica groups of two: group 1 (ranks 2 and 3) dies after step 3's backward.
-TEST(FaultTolerance, LiveReplicaGroupLeavesAndRejoinsLocallyAsIfScheduled) {
+// Four ranks, two replica groups of two; group 1 (ranks 2 and 3) fails at step 3 as `faults` say.
+void live_group_leaves_and_rejoins_as_if_scheduled(const std::string& faults) {
   const std::string job = kTiny + "--nproc-per-node 4 --strategy hybrid_shard --shard-size 2 --live-replicas --steps 12 ";
-  const Result hit = train("FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_RANKS=2,3", job + "--max-restarts 2");
+  const Result hit = train(faults, job + "--max-restarts 2");
   ASSERT_EQ(hit.run.exit_code, 0) << hit.run.output;
   EXPECT_NE(hit.run.output.find("starting rank 2 again"), std::string::npos) << hit.run.output;
 
@@ -109,6 +109,17 @@ TEST(FaultTolerance, LiveReplicaGroupLeavesAndRejoinsLocallyAsIfScheduled) {
   ASSERT_EQ(p.size(), 4u);
   EXPECT_EQ(h.at(0)["hash"], p.at(0)["hash"]);
   EXPECT_EQ(h.at(1)["hash"], p.at(1)["hash"]);
+}
+
+TEST(FaultTolerance, LiveReplicaGroupKilledAfterBackwardRejoinsAsIfScheduled) {
+  live_group_leaves_and_rejoins_as_if_scheduled("FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_RANKS=2,3");
+}
+
+// One rank of group 1, mid-step: its peer's next collective inside the group fails, so group 1
+// leaves whole; group 0 learns of it at the replica average. Both ranks come back.
+TEST(FaultTolerance, OneRankKilledMidStepTakesItsGroupOutAndBack) {
+  live_group_leaves_and_rejoins_as_if_scheduled(
+      "FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_AFTER=forward FSDP_FAULT_KILL_RANKS=2");
 }
 
 TEST(FaultTolerance, LiveReplicasWithNothingToKeepOrNoCoordinatorAreRefused) {

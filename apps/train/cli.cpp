@@ -82,13 +82,18 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_flag("--live-replicas", c.live_replicas,
                "hybrid strategies: when a replica group (the ranks of a shard group) fails, the others discard that "
                "step and train on without it; a replacement joins at a step boundary with a live group's state. "
-               "Needs fsdp-coordinator at MASTER_ADDR:MASTER_PORT (docs/cluster.md)");
+               "With --nproc-per-node this process is the coordinator; ranks started otherwise (torchrun) need "
+               "fsdp-coordinator at MASTER_ADDR:MASTER_PORT (docs/cluster.md)");
   app.add_option("--live-schedule", c.live_schedule,
                  "with --live-replicas: membership changes fixed in advance, out:R@S,in:R@T (group R sits out from "
                  "step S, back at step T): the run a failure is compared with");
+  app.add_flag("--state-hash", c.state_hash,
+               "end the --metrics-jsonl with a state_hash row per rank: a hash of its shards and optimizer state, to "
+               "compare runs bit for bit (always there with --live-replicas)");
   app.add_option("--max-restarts", c.max_restarts,
                  "with --nproc-per-node: when a rank fails, restart every rank from the newest checkpoint under "
-                 "--save-dir (or the run folder) up to N times")
+                 "--save-dir (or the run folder) up to N times; with --live-replicas, start only the failed rank "
+                 "again, as a replacement that joins the groups training on (each rank restarted counts)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--dropout", c.dropout,
                  "dropout probability in the model (GPT: each block's attention and MLP outputs; T5: its layers; "

@@ -57,6 +57,7 @@ struct Config {
   // run to compare with fixes in advance ("out:1@5,in:1@8").
   bool live_replicas = false;
   std::string live_schedule;
+  bool state_hash = false;   // --state-hash: the JSONL ends with each rank's hash of its shards and optimizer state
   int max_restarts = 0;             // the local launcher's: restart from the newest checkpoint
   // How the model is built: "deferred" (fsdp::deferred_init, materialized unit by unit as shards:
   // no rank ever holds the whole model), "normal" (every rank builds it whole, then shards), or

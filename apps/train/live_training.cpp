@@ -172,9 +172,11 @@ int restart_count() {
   return raw == nullptr ? 0 : std::atoi(raw);
 }
 
-void maybe_kill_for_test(int step, int global_rank, bool first_start) {
+void maybe_kill_for_test(int step, int global_rank, bool first_start, const std::string& point) {
   static const char* at = std::getenv("FSDP_FAULT_KILL_AT_STEP");
   if (at == nullptr || !first_start || std::atoi(at) != step) return;
+  const char* after = std::getenv("FSDP_FAULT_KILL_AFTER");
+  if (point != (after != nullptr && *after != '\0' ? after : "backward")) return;
   if (const char* ranks = std::getenv("FSDP_FAULT_KILL_RANKS")) {
     std::stringstream list(ranks);
     std::string item;
@@ -183,7 +185,7 @@ void maybe_kill_for_test(int step, int global_rank, bool first_start) {
     if (!mine) return;
   }
   std::cerr << ("fsdp-train: rank " + std::to_string(global_rank) + " kills itself at step " + std::to_string(step) +
-                " (FSDP_FAULT_KILL_AT_STEP)\n") << std::flush;
+                " after its " + point + " (FSDP_FAULT_KILL_AT_STEP)\n") << std::flush;
   ::kill(::getpid(), SIGKILL);
 }
 

@@ -62,9 +62,10 @@ class LiveTraining {
 int restart_count();
 
 // Fault injection for the tests and benchmarks: with FSDP_FAULT_KILL_AT_STEP=S this process kills
-// itself (SIGKILL: no cleanup, as a lost host) after step S's forward, in the job's first start
+// itself (SIGKILL: no cleanup, as a lost host) at `point` of step S ("backward": after it, the
+// default; FSDP_FAULT_KILL_AFTER=forward: after the forward, mid-step), in the job's first start
 // only; FSDP_FAULT_KILL_RANKS="1,3" limits it to those global ranks.
-void maybe_kill_for_test(int step, int global_rank, bool first_start);
+void maybe_kill_for_test(int step, int global_rank, bool first_start, const std::string& point);
 
 // Each live replica group saves under its own folder of the --save-dir (one job per folder: a
 // checkpointer locks it), and the newest of them is the run's.

@@ -4,6 +4,7 @@
 // model (--model dhen-*) on synthetic clicks. Sharded with fsdp across local ranks
 // (--nproc-per-node) or ranks started by torchrun. The global batch is fixed whatever the world
 // size, so runs at different W compute the same math.
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -30,12 +31,14 @@ namespace {
 int launch_live_locally(std::vector<char*>& args) {
   auto port = std::make_shared<std::promise<int>>();
   auto verdict = std::make_shared<std::promise<int>>();
+  auto decided = std::make_shared<std::atomic<bool>>(false);
   std::future<int> port_f = port->get_future(), verdict_f = verdict->get_future();
-  std::thread([port, verdict] {
+  std::thread([port, verdict, decided] {
     bool listening = false;
     try {
       fsdp::CoordinatorOptions o = fsdp::CoordinatorOptions::from_environment();
       o.port = 0;
+      o.on_end = [decided](int) { *decided = true; };
       verdict->set_value(fsdp::run_coordinator(o, [&](int p) {
         listening = true;
         port->set_value(p);
@@ -46,17 +49,24 @@ int launch_live_locally(std::vector<char*>& args) {
     }
   }).detach();
   const int master_port = port_f.get();
+  // A rank that fails once the coordinator decided the end (every step trained, or the job lost)
+  // is not replaced, and its failure is the job's: its work after training failed.
+  auto running = [decided, &verdict_f] {
+    return !*decided && verdict_f.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+  };
   const auto launched = fsdp::maybe_launch_local(static_cast<int>(args.size()), args.data(), master_port,
-                                                 fsdp::RestartScope::rank);
+                                                 fsdp::RestartScope::rank, running);
   const int code = launched.value_or(1);
-  // Every rank ended. The coordinator ends too once the last member finished every step (it stays
-  // while a rank's heartbeat is fresh); if it still waits, it waits for a replacement nobody will start.
-  // It lingers while a heartbeat is fresh: at most dead_after once the last rank ended.
+  // Every rank ended. The coordinator ends too once the last member finished every step (it
+  // lingers while a heartbeat is fresh: at most dead_after once the last rank ended); if it still
+  // waits, it waits for a replacement nobody will start.
   const auto linger = fsdp::CoordinatorOptions::from_environment().dead_after + std::chrono::seconds(3);
   if (verdict_f.wait_for(linger) == std::future_status::ready) {
-    const int decided = verdict_f.get();
-    // 0: every step was trained by the groups in the job, whatever happened to the ones that left.
-    return decided == 0 ? 0 : (code != 0 ? code : decided);
+    const int verdict_code = verdict_f.get();
+    // 0: every step was trained by the groups in the job, whatever happened to the ones that left
+    // (`code` holds only failures after that: a rank's own work once training ended). Otherwise
+    // the job was lost: no group with its state is left (restart it from its newest checkpoint).
+    return verdict_code == 0 ? code : (code != 0 ? code : verdict_code);
   }
   std::cerr << "fsdp-train: every rank ended before the job's last step and none is left to rejoin (out of "
                "--max-restarts): the job failed\n"

@@ -439,6 +439,7 @@ int train(const Config& c) {
       mark("forward");
       loss = loss_of(batch);
       memory["after_forward"] = to_json(fsdp::process_memory(device));
+      maybe_kill_for_test(step, world_rank, !restarted && !replacement, "forward");
       mark("backward");
       if (scaler) scaler->scale(loss).backward(); else loss.backward();
       trainee->finish_backward();
@@ -458,7 +459,7 @@ int train(const Config& c) {
       }
     }
     memory["after_backward"] = to_json(fsdp::process_memory(device));
-    maybe_kill_for_test(step, world_rank, !restarted && !replacement);
+    maybe_kill_for_test(step, world_rank, !restarted && !replacement, "backward");
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
     double mean_loss = global_mean(*mesh, loss);
     if (live && !live->end_step(optim.unique_params, &mean_loss, ms_since(t0), metrics_out)) {
@@ -556,7 +557,7 @@ int train(const Config& c) {
   if (live) live->finish();  // the coordinator ends the job once every member has
   // This rank's shards and optimizer state as one hash: replicas (and a run against its restarted
   // twin) compare bit for bit.
-  if (!plain && !simulated) {
+  if (!plain && !simulated && (c.state_hash || live)) {
     nlohmann::json e = {{"event", "state_hash"}, {"rank", world_rank}, {"shard_rank", rank},
                         {"hash", state_hash(optim.unique_params, *optim.adamw)}};
     if (live) e["replica"] = live->replica();

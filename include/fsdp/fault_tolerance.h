@@ -40,7 +40,14 @@ struct CoordinatorOptions {
   std::chrono::milliseconds start_timeout{std::chrono::seconds(120)};
   // How long it waits for a replacement when no group is left before it gives up (exit 1).
   std::chrono::milliseconds empty_timeout{std::chrono::seconds(600)};
+  // After a discarded step, how long a member whose heartbeat is fresh may take to notice (it
+  // finishes the forward and backward it was in first) before it is dropped as stuck. Keep it
+  // below the ranks' FSDP_LIVE_TIMEOUT_S (120 s), which bounds their wait for the next decision.
+  std::chrono::milliseconds ready_timeout{std::chrono::seconds(60)};
   std::string events_jsonl;  // its decisions, one JSON object per line ("" : stderr only)
+  // Called once the job's end is decided, before the coordinator lingers for the last ranks: with
+  // 0 when every step was trained, 1 when no group with the job's state is left.
+  std::function<void(int verdict)> on_end;
   static CoordinatorOptions from_environment();  // the defaults with FSDP_LIVE_DEAD_AFTER_S applied
 };
 
@@ -56,7 +63,8 @@ struct LiveOptions {
   // and comes back at step T (a run to compare a failure with). Every rank must say the same.
   std::string schedule;
   std::chrono::milliseconds heartbeat{std::chrono::milliseconds(200)};
-  // How long a rank waits for the coordinator's next decision before it stops with an error.
+  // How long a rank waits for the coordinator's next decision before it stops with an error, and
+  // how long its heartbeat may go unanswered (a cut link) before a watchdog stops the process.
   // Environment: FSDP_LIVE_TIMEOUT_S (default 120 s).
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
   static LiveOptions from_environment();

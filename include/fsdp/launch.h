@@ -6,6 +6,7 @@
 // never leaves the rest hanging.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -31,9 +32,11 @@ namespace fsdp {
 //                      restarted ranks join them as a replacement. The store must then be the
 //                      coordinator's (`master_port` names it). Out of restarts, a failed rank stays
 //                      down and the others still run on: the coordinator decides when the job ends.
+//                      `job_running` says whether it still runs: a rank that fails once it returns
+//                      false is not restarted, and only such failures make the exit code.
 enum class RestartScope { job, rank };
 int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0, int max_restarts = 0,
-                 RestartScope scope = RestartScope::job);
+                 RestartScope scope = RestartScope::job, const std::function<bool()>& job_running = {});
 
 // Set (to 1) in the ranks' environment by launch_local when the launcher hosts the job's store
 // itself (master_port 0: a port it holds for the job's life); rank 0 then connects as a client.
@@ -43,8 +46,9 @@ inline constexpr const char* kStoreHostedEnv = "FSDP_STORE_HOSTED";
 // process is not itself a launched rank, runs launch_local() on the same command line without
 // that flag and returns its exit code ("--max-restarts N" is the launcher's too: not passed on).
 // Otherwise returns nullopt and the program runs as one rank.
-// `master_port` and `scope` as for launch_local.
+// `master_port`, `scope` and `job_running` as for launch_local.
 std::optional<int> maybe_launch_local(int argc, char** argv, int master_port = 0,
-                                      RestartScope scope = RestartScope::job);
+                                      RestartScope scope = RestartScope::job,
+                                      const std::function<bool()>& job_running = {});
 
 }  // namespace fsdp

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <stdexcept>
 #include <string>
@@ -63,7 +64,7 @@ namespace {
 // Returns 0 or the first failure's exit code. With RestartScope::rank a failed rank is started
 // again alone while `*restarts` < max_restarts (counted across the job), and nobody is stopped.
 int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, int* restarts, int max_restarts,
-              RestartScope scope) {
+              RestartScope scope, const std::function<bool()>& job_running) {
   // The job's store, hosted here on a port the kernel picks and this process holds for the job's
   // whole life; the ranks connect to it as clients (kStoreHostedEnv). Picking a free port and
   // letting rank 0 bind it later raced with the sockets of jobs running beside this one (a test
@@ -148,14 +149,18 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
         std::cerr << "fsdp launcher: rank " << r << " (pid " << done << ") " << describe_exit(status) << std::endl;
         if (scope == RestartScope::rank) {
           // The coordinator decides what the others do; this rank comes back as a replacement.
-          if (*restarts < max_restarts && g_stop_signal == 0) {
+          const bool running_on = !job_running || job_running();
+          if (!running_on) {
+            if (first_failure == 0) first_failure = code;  // after the job's end: its own failure
+          } else if (*restarts < max_restarts && g_stop_signal == 0) {
             ++*restarts;
             std::cerr << "fsdp launcher: starting rank " << r << " again (restart " << *restarts << " of "
                       << max_restarts << "); it joins the live replica groups" << std::endl;
             pids[r] = spawn(static_cast<int>(r));
             ++running;
-          } else if (first_failure == 0) {
-            first_failure = code;
+          } else {
+            std::cerr << "fsdp launcher: rank " << r << " stays down (out of --max-restarts); the other replica "
+                      << "groups train on" << std::endl;
           }
           continue;
         }
@@ -191,7 +196,7 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
 }  // namespace
 
 int launch_local(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts,
-                 RestartScope scope) {
+                 RestartScope scope, const std::function<bool()>& job_running) {
   if (nproc < 1) throw std::invalid_argument("fsdp: --nproc-per-node must be at least 1");
   if (argv.empty()) throw std::invalid_argument("fsdp: launch_local needs a program to run");
   if (max_restarts < 0) throw std::invalid_argument("fsdp: --max-restarts must be 0 or more");
@@ -206,7 +211,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
   int code = 0;
   int restarts = 0;
   while (true) {
-    code = run_ranks(nproc, argv, master_port, &restarts, max_restarts, scope);
+    code = run_ranks(nproc, argv, master_port, &restarts, max_restarts, scope, job_running);
     // Done, interrupted (a person's ^C is not a failure to recover from), out of restarts, or
     // restarted rank by rank already.
     if (code == 0 || g_stop_signal != 0 || restarts >= max_restarts || scope == RestartScope::rank) break;
@@ -219,7 +224,8 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
   return code;
 }
 
-std::optional<int> maybe_launch_local(int argc, char** argv, int master_port, RestartScope scope) {
+std::optional<int> maybe_launch_local(int argc, char** argv, int master_port, RestartScope scope,
+                                      const std::function<bool()>& job_running) {
   std::vector<std::string> rest{"/proc/self/exe"};
   int nproc = -1;
   int max_restarts = 0;
@@ -256,7 +262,7 @@ std::optional<int> maybe_launch_local(int argc, char** argv, int master_port, Re
     nproc = static_cast<int>(n);
   }
   if (nproc < 0) return std::nullopt;
-  return launch_local(nproc, rest, master_port, max_restarts, scope);
+  return launch_local(nproc, rest, master_port, max_restarts, scope, job_running);
 }
 
 }  // namespace fsdp

@@ -30,8 +30,6 @@ using Clock = std::chrono::steady_clock;
 using detail::kLivePrefix;
 using detail::Round;
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 class Coordinator {
  public:
   Coordinator(const CoordinatorOptions& options, c10::intrusive_ptr<c10d::Store> store)
@@ -53,6 +51,7 @@ class Coordinator {
       if (outcome == Outcome::kFinished) {
         set("end", "1");
         event({{"event", "end"}, {"step", round.step}, {"members", round.members}}, true);
+        if (options_.on_end) options_.on_end(0);
         linger();
         return 0;
       }
@@ -274,9 +273,11 @@ class Coordinator {
       for (int r : prev.joining) needs_state_.erase(r);
     }
     // Who of the previous round is still here: after a discarded round each member rank says it
-    // is ready, or is gone within dead_after.
+    // is ready, or is gone (its heartbeat stops within dead_after). A rank that is alive may be
+    // mid-step (it learns of the discard only when it reaches the replica average), so it gets
+    // ready_timeout, not dead_after.
     const std::string ready = "ready/" + std::to_string(next.number) + "/";
-    const auto deadline = Clock::now() + options_.dead_after + std::chrono::milliseconds(500);
+    const auto deadline = Clock::now() + options_.ready_timeout;
     std::set<int> gone;
     while (true) {
       poll_heartbeats();
@@ -349,14 +350,17 @@ class Coordinator {
       event({{"event", "lost"}, {"step", next.step}, {"why", why + ": restart the job from its newest checkpoint"}},
             true);
       set("end", "lost");
+      if (options_.on_end) options_.on_end(1);
       return std::nullopt;
     }
     for (int r : next.members) {
       if (needs_state_.count(r)) next.joining.push_back(r);
     }
     if (next.joining.empty()) next.source = -1;
-    // A discarded round's replica groups may have been left mid-collective: every member rebuilds.
-    next.epoch = prev.epoch + (next.members != prev.members || !committed ? 1 : 0);
+    // A discarded round's replica groups may have been left mid-collective: every member rebuilds;
+    // so it does when a group came back as a new generation (a replacement took its place within
+    // one decision: the same members, other processes).
+    next.epoch = prev.epoch + (next.members != prev.members || next.generation != prev.generation || !committed ? 1 : 0);
     admit(next, joiners);
     return next;
   }

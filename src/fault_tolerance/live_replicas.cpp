@@ -19,6 +19,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include <unistd.h>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -112,6 +114,12 @@ struct LiveReplicas::Impl {
   int F = 1, R = 1, replica = 0, shard_rank = 0, gen = 0;
   std::shared_ptr<Mesh> mesh;
   std::thread heartbeat;
+  // The watchdog: a rank whose heartbeat has not reached the coordinator for options.timeout is
+  // cut off (its store calls may block on a link that sends no reset); it stops the process with
+  // the reason, as the NCCL watchdog does. Disarmed once this rank finished training.
+  std::thread watchdog;
+  std::atomic<int64_t> last_beat_ms{0};
+  std::atomic<bool> disarmed{false};
   std::atomic<bool> stop{false};
   int64_t next_round = -1;  // -1: this rank's group must ask to be admitted
   Round round;              // the round in progress
@@ -127,7 +135,7 @@ struct LiveReplicas::Impl {
     throw std::runtime_error("fsdp: rank " + me() + " (replica group " + std::to_string(replica) + ") " + what +
                              " the live replicas' coordinator at " + env.master_addr + ":" +
                              std::to_string(env.master_port) + ": it is gone or unreachable, and with it who is in each "
-                             "step: restart the job from its newest checkpoint (the launcher's --max-restarts does). (" + first_line(e.what()) + ")");
+                             "step: restart the job from its newest checkpoint (scripts/cluster --max-restarts does). (" + first_line(e.what()) + ")");
   }
   bool has(const std::string& k) {
     try {
@@ -287,6 +295,7 @@ LiveReplicas::LiveReplicas(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 
 LiveReplicas::~LiveReplicas() {
   impl_->stop = true;
+  if (impl_->watchdog.joinable()) impl_->watchdog.join();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
   if (impl_->group && impl_->poisoned) (void)impl_->group.release();
 }
@@ -333,16 +342,35 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
   // The heartbeat has a connection of its own: the main one blocks while it waits for decisions.
   auto beat_store = client(env, mesh_options.init_timeout);
   Impl* p = impl.get();
-  impl->heartbeat = std::thread([p, beat_store] {
+  auto now_ms = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+  };
+  impl->last_beat_ms = now_ms();
+  impl->heartbeat = std::thread([p, beat_store, now_ms] {
     int64_t n = 0;
     const std::string k = p->key("hb/" + p->me());
     while (!p->stop) {
       try {
         beat_store->set(k, detail::to_bytes(std::to_string(p->gen) + ":" + std::to_string(n++)));
+        p->last_beat_ms = now_ms();
       } catch (const std::exception&) {
         return;  // the coordinator is gone: the main thread's next wait says so
       }
       std::this_thread::sleep_for(p->options.heartbeat);
+    }
+  });
+  impl->watchdog = std::thread([p, now_ms] {
+    while (!p->stop) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (p->disarmed || now_ms() - p->last_beat_ms < p->options.timeout.count()) continue;
+      const std::string msg = "fsdp-train: error: fsdp: rank " + p->me() + " (replica group " +
+                              std::to_string(p->replica) + ") has not reached the live replicas' coordinator at " +
+                              p->env.master_addr + ":" + std::to_string(p->env.master_port) + " for " +
+                              std::to_string(p->options.timeout.count() / 1000) +
+                              " s (FSDP_LIVE_TIMEOUT_S): it is gone, or this host is cut off from it. This rank "
+                              "stops; its group is out of the job (start it again to rejoin)\n";
+      (void)!::write(2, msg.data(), msg.size());
+      std::_Exit(1);
     }
   });
   // The group's own mesh, apart from every earlier incarnation's.
@@ -353,7 +381,14 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
   sub.local_rank = impl->shard_rank % sub.local_world_size;
   auto prefix = c10::make_intrusive<c10d::PrefixStore>(
       kLivePrefix + "replica" + std::to_string(impl->replica) + "/gen" + std::to_string(impl->gen) + "/", impl->store);
-  impl->mesh = detail::MeshState::over_store(prefix, sub, mesh_options, env.local_world_size);
+  try {
+    impl->mesh = detail::MeshState::over_store(prefix, sub, mesh_options, env.local_world_size);
+  } catch (...) {
+    impl->stop = true;  // a joinable thread must not outlive its Impl
+    impl->watchdog.join();
+    impl->heartbeat.join();
+    throw;
+  }
   return std::shared_ptr<LiveReplicas>(new LiveReplicas(std::move(impl)));
 }
 
@@ -374,6 +409,11 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
       const std::string admit = "admit/" + s.me() + "/" + std::to_string(s.gen);
       while (!s.has(admit)) {
         if (s.has("end")) {
+          if (s.get("end") != "1") {
+            throw std::runtime_error("fsdp: rank " + s.me() + " (replica group " + std::to_string(s.replica) +
+                                     ") asked to join, but the coordinator lost the job: no replica group with its "
+                                     "state is left. Restart the job from its newest checkpoint");
+          }
           out.step = s.options.total_steps;  // the job ended before this group got in
           return out;
         }
@@ -451,12 +491,18 @@ bool LiveReplicas::commit(bool ok, const std::string& why) {
   const bool committed = s.wait_for("commit/" + q, "verdict") == "1";
   s.next_round = s.round.number + 1;
   if (!committed) {
-    s.poisoned = true;  // a peer may have left the group mid-collective: it is rebuilt, never reused
+    // The group is rebuilt for the redo. Where this rank's own collectives completed (ok), it has
+    // no thread blocked in it and is destroyed; where one failed or was abandoned, average()
+    // marked it poisoned: let go, never reused.
+    s.epoch = -1;
     s.set("ready/" + std::to_string(s.next_round) + "/" + s.me(), "1");
   }
   return committed;
 }
 
-void LiveReplicas::finish() { impl_->set("finished/" + impl_->me(), "1"); }
+void LiveReplicas::finish() {
+  impl_->set("finished/" + impl_->me(), "1");
+  impl_->disarmed = true;  // what the rank does after training needs no coordinator
+}
 
 }  // namespace fsdp
