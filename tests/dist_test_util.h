@@ -133,7 +133,7 @@ inline MainJob main_job(const std::string& args, int steps, int timeout_s = 300)
   EXPECT_EQ(run.exit_code, 0) << args << "\n" << run.output;
   MainJob out{std::vector<double>(steps, -1.0), {}};
   for (const auto& j : read_jsonl(metrics)) {
-    if (j["rank"] != 0) continue;
+    if (j.contains("event") || j["rank"] != 0) continue;  // event rows (restarted, state_hash) carry no step
     out.losses.at(j["step"].get<size_t>()) = j["loss"].get<double>();
     out.last = j;
   }

@@ -42,7 +42,7 @@ using fsdp_test::step_losses;
 std::vector<double> losses(const std::vector<json>& rows) {
   std::vector<double> out;
   for (const auto& r : rows) {
-    if (r["rank"] == 0) out.push_back(r["loss"].get<double>());
+    if (!r.contains("event") && r["rank"] == 0) out.push_back(r["loss"].get<double>());
   }
   return out;
 }
