@@ -105,6 +105,26 @@ TEST(Loops, ClipAfterNoSyncIsRefusedThenTheSynchronizedLoopIsExact) { run_sequen
 TEST(Loops, GradOfParametersIsRefusedAndTrainingGoesOn) { run_sequence("Z,F,Q,Z,F,B,S"); }
 TEST(Loops, UnshardScopeStep) { run_sequence("Z,U,S,Z,U,C,S"); }
 
+// Issue 35: the two paths that silently regressed, as random loops. A Linear shared by the second
+// and third blocks of the tied net (units of their own, neither the root), and a second wrapped
+// model whose output is the first one's input (both trained), under the hybrid strategies at W = 4
+// (where both went wrong) and full_shard; fp32, and bf16 for the tied net.
+void run_features(const std::string& features, const std::vector<Config>& configs, const std::string& seeds) {
+  for (const Config& c : configs) {
+    const auto r = fsdp_test::run_ranks("fuzz", c.world, flags_of(c) + " --features " + features + " --seeds " + seeds);
+    expect_no_failures(r, features + " under " + name_of(c));
+  }
+}
+TEST(Loops, WeightSharedByTwoInnerUnits) {
+  run_features("tied", {Config{"hybrid_shard", 4, 2, "none"}, Config{"hybrid_shard_zero2", 4, 2, "none"},
+                        Config{"hybrid_shard", 4, 2, "bf16"}, Config{"full_shard", 4, 0, "none"}}, "0:6");
+}
+TEST(Loops, TwoWrappedModelsTrainedTogether) {
+  run_features("uneven,two_roots", {Config{"hybrid_shard", 4, 2, "none"}, Config{"hybrid_shard_zero2", 4, 2, "none"},
+                                    Config{"full_shard", 2, 0, "none"}, Config{"no_shard", 2, 0, "none"}}, "0:6");
+  run_features("tied,two_roots", {Config{"hybrid_shard", 4, 2, "none"}}, "0:4");
+}
+
 // Every output type the forward may return (std::pair, a struct, std::map, torch::Dict, IValue,
 // nested containers), through a whole training loop.
 TEST(Loops, ForwardOutputsOfAnyType) {

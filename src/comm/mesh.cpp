@@ -337,6 +337,12 @@ std::shared_ptr<RingReduceScatter> MeshState::ring_for(const GroupPtr& group) {
   return ring;
 }
 
+std::shared_ptr<ReplicaAllReduceOrder> MeshState::replica_order_for(const GroupPtr& group) {
+  auto& order = replica_orders[group.get()];
+  if (!order) order = std::make_shared<ReplicaAllReduceOrder>();
+  return order;
+}
+
 void MeshState::check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe) {
   if (env.world_size == 1) return;
   const std::string key = "fsdp/check/" + std::to_string(checks++) + "/";

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/collectives.h"
+#include "comm/replica_order.h"
 #include "comm/ring_reduce_scatter.h"
 #include "fsdp/mesh.h"
 #include "fsdp/options.h"
@@ -29,6 +30,9 @@ struct MeshInfo {
   GroupPtr world_group;      // all W ranks, CPU tensors: cross-rank checks
   // The shard group's ring reduce-scatter (Gloo with GlooReduceScatter::RING; null otherwise).
   std::shared_ptr<RingReduceScatter> shard_ring;
+  // The order all-reduces go out on replicate_group (replica_order.h), shared by every wrapped model
+  // of the mesh; null without replicas.
+  std::shared_ptr<ReplicaAllReduceOrder> replica_order;
   // hpZ (Options::reshard_after_forward_to and its per-unit choices): for each N in use, the N
   // consecutive ranks (a subgroup of the shard group) over which backward gathers a unit from the
   // secondary shards forward left. This rank keeps part shard_rank % N of such a unit.

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/collectives.h"
+#include "comm/replica_order.h"
 #include "comm/ring_reduce_scatter.h"
 #include "fsdp/mesh.h"
 #include "comm/network_interface.h"
@@ -48,6 +49,7 @@ struct MeshState {
   std::map<std::pair<int, int>, ShardGroups> groups;  // (F, device type) -> groups
   std::map<std::pair<int, int>, GroupPtr> secondary_groups;  // (N, device type) -> hpZ group
   std::map<const c10d::Backend*, std::shared_ptr<RingReduceScatter>> rings;  // one per Gloo group
+  std::map<const c10d::Backend*, std::shared_ptr<ReplicaAllReduceOrder>> replica_orders;  // one per replicate group
   int checks = 0;
 
   static MeshState& of(Mesh& mesh) { return *mesh.state_; }
@@ -61,6 +63,9 @@ struct MeshState {
   const GroupPtr& consecutive_group(int size, c10::DeviceType device);
   // The ring reduce-scatter of a Gloo group (ring_reduce_scatter.h), one per group.
   std::shared_ptr<RingReduceScatter> ring_for(const GroupPtr& group);
+  // The all-reduce order of a replicate group (replica_order.h), one per group, whichever model
+  // asks: the group is shared by every model wrapped over this mesh.
+  std::shared_ptr<ReplicaAllReduceOrder> replica_order_for(const GroupPtr& group);
 
   // A clear error on every rank unless all ranks pass the same `fingerprint`. `what` names the
   // thing being compared and `describe` is this rank's readable version of it, used to point at

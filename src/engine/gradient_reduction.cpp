@@ -14,6 +14,12 @@ at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) 
   t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
   return t;
 }
+
+// A sparse gradient (an Embedding built with sparse(true)) is reduced as the dense gradient it
+// stands for: the unit's flat gradient holds every row of the table anyway, and the reduced shard
+// a rank's optimizer steps is a dense slice. Optimizers that take sparse gradients (SGD, Adagrad)
+// take dense ones to the same result.
+at::Tensor densified(const at::Tensor& g) { return g.defined() && g.is_sparse() ? g.to_dense() : g; }
 }  // namespace
 
 GradientReduction::GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm)
@@ -62,7 +68,7 @@ void GradientReduction::keep_unsharded() {
   const UnitDtypes& dt = handle_.dtypes();
   const int F = comm_.mesh().shard_size;
   for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor g = params[i].grad();
+    at::Tensor g = densified(params[i].grad());
     if (g.defined() && g.scalar_type() != dt.master) g = g.to(dt.master);
     if (grads_[i].defined()) {
       // Fold a reduced gradient in so that the next reduction gives it back (see the header).
@@ -95,7 +101,7 @@ void GradientReduction::begin(bool no_sync) {
   bool any = false;
   at::Tensor flat;
   for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor g = params[i].grad();
+    const at::Tensor g = densified(params[i].grad());
     if (!g.defined()) continue;
     if (!flat.defined()) flat = at::zeros({layout.padded_numel()}, handle_.shard().options().dtype(dt.reduce));
     const auto& e = layout.entries()[i];
@@ -130,36 +136,69 @@ void GradientReduction::begin(bool no_sync) {
     r.output = r.input;
   }
   pending_ = std::move(r);
-  // On CUDA the all-reduce is ordered after the reduce-scatter on the device, so it can be issued
-  // now; on CPU it is issued once the reduce-scatter is done (advance or finish).
-  if (comm_.streams().active() || !pending_->reduce_scatter) issue_all_reduce(*pending_);
+  if (mesh.replicas <= 1) return;
+  if (comm_.streams().active()) {
+    // On CUDA the all-reduce is ordered after the reduce-scatter on the device: issued now.
+    issue_all_reduce_now(*pending_);
+    return;
+  }
+  // On CPU it can go out only once the reduce-scatter is done, in the replicate group's order
+  // (replica_order.h: shared with every other model wrapped over the mesh).
+  pending_->ticket = mesh.replica_order->enqueue(
+      [this] { return comm_.done(pending_->reduce_scatter); },
+      [this] {
+        Pending& p = *pending_;
+        p.blocked_ns += comm_.wait(p.reduce_scatter);
+        release_input(p);
+        p.ticket.reset();
+        issue_all_reduce_now(p);
+      });
+  mesh.replica_order->advance();
+}
+
+GradientReduction::~GradientReduction() {
+  if (pending_ && pending_->ticket) comm_.mesh().replica_order->drop(*pending_->ticket);
 }
 
 void GradientReduction::issue_all_reduce(Pending& r) {
   if (r.all_reduce || comm_.mesh().replicas <= 1) return;
+  if (r.ticket) {
+    comm_.mesh().replica_order->issue_through(*r.ticket);  // ours, after every one issued before it
+    return;
+  }
+  issue_all_reduce_now(r);
+}
+
+void GradientReduction::issue_all_reduce_now(Pending& r) {
   r.all_reduce = comm_.issue(CommKind::ALL_REDUCE, Over::REPLICAS, index_, "gradient shards",
                              [&] { return Buffers{r.output, at::Tensor()}; }, &r.reduce_scatter);
 }
 
-bool GradientReduction::advance() {
-  if (!pending_) return false;
+void GradientReduction::advance() {
+  if (!pending_) return;
   Pending& r = *pending_;
+  if (r.ticket) {
+    // With replicas on CPU the group's order decides when all-reduces go out, whoever polls.
+    comm_.mesh().replica_order->advance();
+    return;
+  }
   if (r.reduce_scatter) {
     // On CUDA `done` queries the event recorded on the communication stream after the
     // collective: once it has passed, the compute stream may reuse the input's memory.
-    if (!comm_.done(r.reduce_scatter)) return comm_.mesh().replicas > 1 && !r.all_reduce;
+    if (!comm_.done(r.reduce_scatter)) return;
     comm_.wait(r.reduce_scatter);
     release_input(r);
   }
   issue_all_reduce(r);
-  return false;
 }
 
 int64_t GradientReduction::complete_reduce_scatter() {
   if (!pending_) return 0;
-  const int64_t blocked = comm_.wait(pending_->reduce_scatter);
+  int64_t blocked = comm_.wait(pending_->reduce_scatter);
   release_input(*pending_);
   issue_all_reduce(*pending_);
+  blocked += pending_->blocked_ns;
+  pending_->blocked_ns = 0;
   return blocked;
 }
 
@@ -178,7 +217,7 @@ int64_t GradientReduction::finish() {
   int64_t blocked = comm_.wait(r.reduce_scatter);
   release_input(r);
   issue_all_reduce(r);
-  blocked += comm_.wait(r.all_reduce);
+  blocked += comm_.wait(r.all_reduce) + r.blocked_ns;
   at::Tensor reduced = r.output;
   if (dt.low_precision_reduce()) {
     reduced = reduced.to(dt.master);  // back into the sharded gradient's dtype

@@ -16,7 +16,8 @@
 //            unsharded shape; UNSHARDED ones stay, and autograd adds to them
 //   begin    synchronized: flatten into one buffer of the reduce dtype, issue the reduce-scatter in
 //            the shard group (with replicas the all-reduce follows: at once on CUDA,
-//            stream-ordered; on CPU once the reduce-scatter is done, see advance).
+//            stream-ordered; on CPU once the reduce-scatter is done, in the order of the replicate
+//            group, which every model wrapped over the mesh shares: comm/replica_order.h).
 //            no_sync: leave the gradients on the parameters in the UNSHARDED form; a stashed
 //            SHARDED gradient is folded in as F × itself in this rank's slice, which the later
 //            reduction (sum over W ranks of F·g placed by R = W/F replicas, divided by W) returns
@@ -52,6 +53,9 @@ class GradientReduction {
   enum class Form { SHARDED, UNSHARDED };
 
   GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm);
+  ~GradientReduction();
+  GradientReduction(const GradientReduction&) = delete;
+  GradientReduction& operator=(const GradientReduction&) = delete;
 
   Form form() const { return form_; }
   void stash();
@@ -62,9 +66,9 @@ class GradientReduction {
   bool holds_unreduced_no_sync() const;
   std::vector<const c10::StorageImpl*> unreduced_storages() const;
   void begin(bool no_sync);
-  // Polls without blocking; true while a reduce-scatter still has to finish before its all-reduce
-  // can be issued (later units must then wait their turn, to keep the all-reduces in order).
-  bool advance();
+  // Polls without blocking: frees a finished reduce-scatter's input and lets all-reduces across
+  // replicas go out (in the replicate group's order, replica_order.h).
+  void advance();
   // Blocks until the reduce-scatter is done, frees its input and issues the all-reduce (with
   // replicas); returns the nanoseconds the calling thread was blocked.
   int64_t complete_reduce_scatter();
@@ -83,8 +87,13 @@ class GradientReduction {
     at::Tensor output;         // [shard_numel] (or the input itself with F = 1)
     InFlight reduce_scatter, all_reduce;
     std::vector<bool> got;     // which parameters contributed gradients
+    // CPU with replicas: its place in the replicate group's all-reduce order, until issued.
+    std::optional<ReplicaAllReduceOrder::Ticket> ticket;
+    int64_t blocked_ns = 0;    // waited for its reduce-scatter when the order issued its all-reduce
   };
+  // Issues the all-reduce across replicas (with a ticket: through the group's order).
   void issue_all_reduce(Pending& r);
+  void issue_all_reduce_now(Pending& r);
   // After the reduce-scatter is done: free its input (F > 1; with F = 1 it is the output).
   void release_input(Pending& r);
   void keep_unsharded();  // the no_sync half of begin

@@ -157,7 +157,7 @@ void Runtime::begin_forward() {
               "fsdp: the root's forward was called inside its own forward or backward; "
               "call it once per micro-batch, outside backward");
   // Forwards whose graphs are all gone will never be backwarded: their iteration is over.
-  if (phase_ == Phase::FORWARD_DONE && !graph_alive()) end_iteration();
+  end_abandoned_forward();
   if (phase_ == Phase::IDLE) {
     check_parameters_intact();
     install_missing_hooks();

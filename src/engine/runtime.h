@@ -136,6 +136,9 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void end_iteration(bool keep_graph = false);
   // Whether a graph still references a parameter that needs a gradient: a backward can come.
   bool graph_alive() const;
+  // FORWARD_DONE with every graph through the units gone: the forwards were abandoned, their
+  // iteration ends (IDLE).
+  void end_abandoned_forward();
   void check_parameters_intact() const;
   void check_sequence();
   void fail(const std::string& what, size_t unit);

@@ -120,8 +120,18 @@ bool Runtime::graph_alive() const {
   return false;
 }
 
+void Runtime::end_abandoned_forward() {
+  if (phase_ != Phase::FORWARD_DONE) return;
+  // Nodes of a graph whose losses are gone can still be held by tasks a backward that threw left
+  // in this thread's ready queue (runtime.h, drain_ready_queue): another model's backward, which
+  // this one never took part in (a GAN's discriminator threw before the generator was reached).
+  // Outside any backward, a drain drops them; a graph that is really alive stays alive.
+  if (graph_alive() && torch::autograd::get_current_graph_task_id() == -1) drain_ready_queue();
+  if (!graph_alive()) end_iteration();
+}
+
 bool Runtime::at_rest() {
-  if (phase_ == Phase::FORWARD_DONE && !graph_alive()) end_iteration();
+  end_abandoned_forward();
   return phase_ == Phase::IDLE;
 }
 

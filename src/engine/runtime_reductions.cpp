@@ -53,11 +53,9 @@ void Runtime::register_unreduced_gradients(size_t u) {
 }
 
 void Runtime::advance_reductions() {
-  // In issue order, stopping at the first reduce-scatter still running: the all-reduces across
-  // replicas then go out in the same order on every rank, whatever the timing.
-  for (size_t u : reduce_fifo_) {
-    if (units_[u]->reduction().advance()) break;
-  }
+  // The all-reduces across replicas go out in the replicate group's order (comm/replica_order.h),
+  // the same on every rank whatever the timing.
+  for (size_t u : reduce_fifo_) units_[u]->reduction().advance();
   note_memory();
 }
 

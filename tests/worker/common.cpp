@@ -38,6 +38,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--fault-rank") a.fault_rank = std::stoi(v);
     else if (k == "--fault-step") a.fault_step = std::stoi(v);
     else if (k == "--sequence") a.sequence = v;
+    else if (k == "--features") a.features = v;
     else if (k == "--mismatch-what") a.mismatch_what = v;
     else if (k == "--case") a.hole = v;
     else if (k == "--path") a.path = v;

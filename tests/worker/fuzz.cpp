@@ -102,7 +102,7 @@ std::vector<Call> parse_sequence(const std::string& text) {
 }
 
 // The seed's model and loop features, drawn from its own generator (every rank the same).
-Features draw_features(std::mt19937_64& rng, bool mixed_precision) {
+Features draw_features(std::mt19937_64& rng, bool mixed_precision, uint64_t seed) {
   Features f;
   f.gpt = rng() % 2 == 0;
   static const char* kOptimizers[] = {"sgd", "sgd", "adam", "adamw"};
@@ -118,16 +118,26 @@ Features draw_features(std::mt19937_64& rng, bool mixed_precision) {
   // The DHEN-like model, its rows outside fsdp: fp32 (fsdp casts none of the rows it ignores,
   // which the replay's working copies would).
   f.dhen = !f.gpt && !mixed_precision && rng() % 2 == 0;
+  // Drawn apart (issue 35), so that the seeds drawn before keep their models and calls: a weight
+  // shared by two units neither of which is the root, and a second wrapped model trained with it.
+  std::mt19937_64 extra(seed * 0x9E3779B97F4A7C15ULL + 35);
+  if (!f.gpt && !f.dhen) {
+    f.tied = extra() % 2 == 0;
+    f.two_roots = !mixed_precision && extra() % 2 == 0;
+  }
   return f;
 }
 
 template <typename Out>
 std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts, uint64_t seed, int calls,
-                     const std::optional<fsdp::MixedPrecision>& mp, const std::vector<Call>& given) {
+                     const std::optional<fsdp::MixedPrecision>& mp, const std::vector<Call>& given,
+                     const std::string& forced) {
   const int W = mesh->world_size(), rank = mesh->rank();
   const int64_t per = kGlobalBatch / W;
   std::mt19937_64 rng(seed * 2654435761ULL + 17);
-  const Features features = draw_features(rng, mp.has_value());
+  Features features = draw_features(rng, mp.has_value(), seed);
+  if (!forced.empty()) features.force(forced);
+  if (features.two_roots && mp) throw std::invalid_argument("fuzz: two_roots runs in fp32 only (the replay has no second root)");
   const double lr = 0.1;
   // Adam's step is about lr whatever the gradient's size, so the rounding of a gradient near zero
   // (the reduction sums in another order than local training) can move a parameter by up to 2 lr
@@ -156,8 +166,24 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
     };
   }
   fsdp::FullyShardedDataParallel<FuzzNetImpl<Out>> sharded(net, mesh, opts);
+  // A second model wrapped on its own, whose output is the core's input (trained with it).
+  torch::nn::Sequential second{nullptr};
+  std::unique_ptr<fsdp::FullyShardedDataParallel<torch::nn::SequentialImpl>> second_root;
+  if (features.two_roots) {
+    second = make_second_root();
+    fsdp::Options sopts = opts;
+    sopts.auto_wrap_policy = fsdp::module_type_policy<torch::nn::LinearImpl>();
+    sopts.ignored_modules.clear();
+    second_root = std::make_unique<fsdp::FullyShardedDataParallel<torch::nn::SequentialImpl>>(second, mesh, sopts);
+  }
+  auto forward_all = [&](const torch::Tensor& x) {
+    return sharded.forward(second_root ? second_root->forward(x) : x);
+  };
   std::vector<torch::Tensor> params;
   for (auto& kv : unique_params(*net)) params.push_back(kv.second);
+  if (second_root) {
+    for (auto& p : second_root->parameters()) params.push_back(p);
+  }
   auto optim = make_optimizer(features.optimizer, params, lr);
   auto ref = make_reference(features, W, mp, lr);
   std::unique_ptr<Reference> fp32 = mp ? make_reference(features, W, std::nullopt, lr) : nullptr;
@@ -185,7 +211,7 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
       std::optional<c10::InferenceMode> inference;
       if (kind == ForwardKind::INFERENCE) inference.emplace();
       torch::AutoGradMode mode(grad);
-      out = unpack(sharded.forward(x));
+      out = unpack(forward_all(x));
       loss = net->core.loss(out, y);
     }
     const double got = global_mean(mesh, loss);
@@ -290,6 +316,8 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
           break;
         case Call::NO_SYNC_MICRO_BATCH: {
           auto guard = sharded.no_sync();
+          std::optional<fsdp::FullyShardedDataParallelBase::NoSync> second_guard;
+          if (second_root) second_guard.emplace(second_root->no_sync());
           forward_both(ForwardKind::GRAD);
           backward_both(false, true);
           unsynced = true;
@@ -300,8 +328,10 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
             expect_refusal([&] { sharded.clip_grad_norm_(0.05, net->core.model_parallel()); },
                            "clip_grad_norm_ after no_sync", "no_sync");
           } else {
-            // The DHEN's rows are outside fsdp: the norm counts them as model-parallel.
+            // The DHEN's rows are outside fsdp: the norm counts them as model-parallel. Each
+            // wrapped model clips its own gradients (the reference clips each model apart).
             sharded.clip_grad_norm_(0.05, net->core.model_parallel());
+            if (second_root) second_root->clip_grad_norm_(0.05);
             refs([&](Reference& r) { r.clip(0.05); });
           }
           break;
@@ -398,6 +428,8 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
         }
         case Call::UNSHARDED_STEP: {
           auto whole = sharded.unshard();
+          std::optional<fsdp::FullyShardedDataParallelBase::Unsharded> second_whole;
+          if (second_root) second_whole.emplace(second_root->unshard());
           forward_both(ForwardKind::GRAD);
           backward_both(false, false);
           break;
@@ -421,6 +453,22 @@ std::string run_seed(const std::shared_ptr<fsdp::Mesh>& mesh, fsdp::Options opts
           const auto slice = layout.slice(i, rank % F);
           compare(s, "parameter", unit.fqns[i], mine[unit.fqns[i]], ref_params.at(unit.fqns[i]), slice, tol);
           compare(s, "gradient", unit.fqns[i], mine[unit.fqns[i]].grad(), ref_grads.at(unit.fqns[i]), slice, tol);
+        }
+      }
+      // The second root's units, against the reference's second model ("second.<name>").
+      if (second_root) {
+        std::map<std::string, torch::Tensor> second_params;
+        for (const auto& item : second->named_parameters()) second_params[item.key()] = item.value();
+        for (const auto& unit : second_root->units()) {
+          std::vector<std::vector<int64_t>> shapes;
+          for (const auto& f : unit.fqns) shapes.push_back(ref_params.at("second." + f).sizes().vec());
+          const fsdp::FlatParamLayout layout(unit.fqns, shapes, second_root->shard_size());
+          for (size_t i = 0; i < unit.fqns.size(); ++i) {
+            const auto slice = layout.slice(i, rank % second_root->shard_size());
+            const auto& p = second_params.at(unit.fqns[i]);
+            compare(s, "parameter", "second." + unit.fqns[i], p, ref_params.at("second." + unit.fqns[i]), slice, tol);
+            compare(s, "gradient", "second." + unit.fqns[i], p.grad(), ref_grads.at("second." + unit.fqns[i]), slice, tol);
+          }
         }
       }
       // The DHEN's rows this rank holds, against the same rows of the reference's whole table.
@@ -462,13 +510,13 @@ json run_fuzz(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     const fsdp::Options opts = options_from(a);
     std::string failure;
     switch (static_cast<OutKind>(seed % kOutKinds)) {
-      case OutKind::TENSOR: failure = run_seed<torch::Tensor>(mesh, opts, seed, a.calls, mp, given); break;
-      case OutKind::PAIR: failure = run_seed<std::pair<torch::Tensor, int64_t>>(mesh, opts, seed, a.calls, mp, given); break;
-      case OutKind::STRUCT: failure = run_seed<TwoHeads>(mesh, opts, seed, a.calls, mp, given); break;
-      case OutKind::MAP: failure = run_seed<std::map<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp, given); break;
-      case OutKind::DICT: failure = run_seed<c10::Dict<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp, given); break;
-      case OutKind::IVALUE: failure = run_seed<c10::IValue>(mesh, opts, seed, a.calls, mp, given); break;
-      case OutKind::NESTED: failure = run_seed<NestedOut>(mesh, opts, seed, a.calls, mp, given); break;
+      case OutKind::TENSOR: failure = run_seed<torch::Tensor>(mesh, opts, seed, a.calls, mp, given, a.features); break;
+      case OutKind::PAIR: failure = run_seed<std::pair<torch::Tensor, int64_t>>(mesh, opts, seed, a.calls, mp, given, a.features); break;
+      case OutKind::STRUCT: failure = run_seed<TwoHeads>(mesh, opts, seed, a.calls, mp, given, a.features); break;
+      case OutKind::MAP: failure = run_seed<std::map<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp, given, a.features); break;
+      case OutKind::DICT: failure = run_seed<c10::Dict<std::string, torch::Tensor>>(mesh, opts, seed, a.calls, mp, given, a.features); break;
+      case OutKind::IVALUE: failure = run_seed<c10::IValue>(mesh, opts, seed, a.calls, mp, given, a.features); break;
+      case OutKind::NESTED: failure = run_seed<NestedOut>(mesh, opts, seed, a.calls, mp, given, a.features); break;
     }
     if (!failure.empty()) failures.push_back(json{{"seed", seed}, {"failure", failure}});
   }

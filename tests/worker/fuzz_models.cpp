@@ -1,5 +1,7 @@
 #include "fuzz_models.h"
 
+#include <sstream>
+
 #include <c10/core/InferenceMode.h>
 
 namespace worker::fuzz {
@@ -13,12 +15,49 @@ std::vector<bool> retain_for_each(const std::vector<int>& per_forward) {
 }
 
 std::string Features::describe() const {
-  std::string s = dhen ? "tiny DHEN (rows outside fsdp)" : gpt ? "tiny GPT" : "uneven net";
+  std::string s = dhen ? "tiny DHEN (rows outside fsdp)" : gpt ? "tiny GPT" : tied ? "tied net (a Linear shared by two units)" : "uneven net";
   s += ", " + optimizer;
   if (max_norm) s += ", max_norm embedding";
   if (frozen_block) s += ", frozen block";
   if (teacher) s += ", nested teacher";
+  if (two_roots) s += ", a second wrapped model before it";
   return s;
+}
+
+void Features::force(const std::string& names) {
+  std::stringstream in(names);
+  std::string n;
+  while (std::getline(in, n, ',')) {
+    if (n == "gpt") { gpt = true; dhen = tied = false; }
+    else if (n == "uneven") { gpt = dhen = tied = false; }
+    else if (n == "dhen") { dhen = true; gpt = tied = false; }
+    else if (n == "tied") { tied = true; gpt = dhen = false; }
+    else if (n == "two_roots") two_roots = true;
+    else if (n == "sgd" || n == "adam" || n == "adamw") optimizer = n;
+    else throw std::invalid_argument("fuzz: unknown feature '" + n + "' in --features");
+  }
+  if (!gpt) max_norm = teacher = false;
+  if (gpt || dhen) two_roots = false;  // their inputs are token ids: no model goes before them
+}
+
+TiedBlockImpl::TiedBlockImpl(torch::nn::Linear shared) {
+  lin = register_module("lin", shared);
+  own = register_module("own", torch::nn::Linear(16, 16));
+}
+torch::Tensor TiedBlockImpl::forward(const torch::Tensor& x) { return x + torch::tanh(own(torch::tanh(lin(x)))); }
+
+TiedNetImpl::TiedNetImpl() {
+  torch::nn::Linear shared(16, 16);
+  b0 = register_module("b0", TiedBlock(torch::nn::Linear(16, 16)));
+  b1 = register_module("b1", TiedBlock(shared));
+  b2 = register_module("b2", TiedBlock(shared));
+  head = register_module("head", torch::nn::Linear(16, 16));
+}
+torch::Tensor TiedNetImpl::forward(const torch::Tensor& x) { return head(b2(b1(b0(x)))); }
+
+torch::nn::Sequential make_second_root() {
+  torch::manual_seed(2);
+  return torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16));
 }
 
 namespace {
@@ -35,6 +74,7 @@ torch::Tensor Core::run(const torch::Tensor& x) const {
     const int64_t n_dense = dhen_config().n_dense;
     return dhen_of(module).forward(x.narrow(1, 0, n_dense), x.narrow(1, n_dense, x.size(1) - n_dense).to(torch::kLong));
   }
+  if (tied) return std::dynamic_pointer_cast<TiedNetImpl>(module)->forward(x);
   return gpt ? std::dynamic_pointer_cast<models::GPTImpl>(module)->forward(x)
              : std::dynamic_pointer_cast<models::UnevenNetImpl>(module)->forward(x);
 }
@@ -59,6 +99,7 @@ torch::Tensor Core::aux_loss(const torch::Tensor& out) const { return out.to(tor
 
 fsdp::WrapPolicy Core::policy() const {
   if (dhen) return fsdp::module_type_policy<models::DHENLayerImpl>();
+  if (tied) return fsdp::module_type_policy<TiedBlockImpl>();
   return gpt ? fsdp::module_type_policy<models::BlockImpl>() : fsdp::module_type_policy<torch::nn::LinearImpl>();
 }
 
@@ -79,6 +120,7 @@ std::pair<int64_t, int64_t> Core::rows() const {
 
 torch::nn::Module& Core::toggle_module() const {
   if (dhen) return *dhen_of(module).layers[0];
+  if (tied) return *std::dynamic_pointer_cast<TiedNetImpl>(module)->b1;  // holds the shared Linear
   if (gpt) return *std::dynamic_pointer_cast<models::GPTImpl>(module)->blocks[0];
   return *std::dynamic_pointer_cast<models::UnevenNetImpl>(module)->c;
 }
@@ -86,9 +128,12 @@ torch::nn::Module& Core::toggle_module() const {
 Core make_core(const Features& f, uint64_t seed, const std::shared_ptr<fsdp::Mesh>& mesh) {
   torch::manual_seed(seed);
   Core c;
-  c.gpt = f.gpt && !f.dhen;
+  c.gpt = f.gpt && !f.dhen && !f.tied;
   c.dhen = f.dhen;
-  if (f.dhen) {
+  c.tied = f.tied && !f.dhen;
+  if (c.tied) {
+    c.module = TiedNet().ptr();
+  } else if (f.dhen) {
     if (mesh && mesh->world_size() > 1) {
       c.module = models::DHEN(dhen_config(), mesh->world(), mesh->rank(), mesh->world_size()).ptr();
     } else {
@@ -171,7 +216,12 @@ class LocalReference final : public Reference {
  public:
   LocalReference(const Features& f, double lr) : features_(f), core_(make_core(f)) {
     if (f.teacher) teacher_ = make_core(f, 1);
-    optim_ = make_optimizer(f.optimizer, params_of(*core_.module), lr);
+    auto params = params_of(*core_.module);
+    if (f.two_roots) {
+      second_ = make_second_root();
+      for (auto& p : params_of(*second_)) params.push_back(p);
+    }
+    optim_ = make_optimizer(f.optimizer, params, lr);
   }
   double forward(int64_t batch, ForwardKind kind) override {
     const bool grad = kind == ForwardKind::GRAD || kind == ForwardKind::TWO_LOSSES;
@@ -179,7 +229,7 @@ class LocalReference final : public Reference {
     std::optional<c10::InferenceMode> inference;
     if (kind == ForwardKind::INFERENCE) inference.emplace();
     torch::AutoGradMode mode(grad);
-    torch::Tensor out = core_.run(x);
+    torch::Tensor out = core_.run(second_ ? second_->forward(x) : x);
     if (teacher_) {
       torch::NoGradGuard no_grad;
       const torch::Tensor t = teacher_->run(x);
@@ -223,12 +273,15 @@ class LocalReference final : public Reference {
   }
   void zero_grad(bool set_to_none) override { optim_->zero_grad(set_to_none); }
   void step() override { optim_->step(); }
-  void clip(double max_norm) override { torch::nn::utils::clip_grad_norm_(params_of(*core_.module), max_norm); }
+  void clip(double max_norm) override {
+    torch::nn::utils::clip_grad_norm_(params_of(*core_.module), max_norm);
+    if (second_) torch::nn::utils::clip_grad_norm_(params_of(*second_), max_norm);  // each model its own
+  }
   void toggle_frozen() override {
     for (auto& p : core_.toggle_module().parameters()) p.requires_grad_(!p.requires_grad());
   }
-  std::map<std::string, torch::Tensor> params() override { return by_name(*core_.module, false); }
-  std::map<std::string, torch::Tensor> grads() override { return by_name(*core_.module, true); }
+  std::map<std::string, torch::Tensor> params() override { return with_second(by_name(*core_.module, false), false); }
+  std::map<std::string, torch::Tensor> grads() override { return with_second(by_name(*core_.module, true), true); }
 
  private:
   torch::Tensor named(const std::string& fqn) {
@@ -237,8 +290,18 @@ class LocalReference final : public Reference {
     }
     throw std::invalid_argument("fuzz: no parameter " + fqn);
   }
+  // The second model's parameters (or gradients) as "second.<name>", beside the core's.
+  std::map<std::string, torch::Tensor> with_second(std::map<std::string, torch::Tensor> out, bool grads) {
+    if (second_) {
+      for (const auto& item : second_->named_parameters()) {
+        out["second." + item.key()] = grads ? item.value().grad() : item.value().detach();
+      }
+    }
+    return out;
+  }
   Features features_;
   Core core_;
+  torch::nn::Sequential second_{nullptr};
   std::optional<Core> teacher_;
   std::unique_ptr<torch::optim::Optimizer> optim_;
   std::vector<torch::Tensor> pending_;

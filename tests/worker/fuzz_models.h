@@ -42,13 +42,44 @@ struct Features {
   bool max_norm = false;          // GPT: tok_emb renormalizes the rows it reads (max_norm 0.1) in forward
   bool frozen_block = false;      // the toggle module starts frozen (requires_grad false at wrapping)
   bool teacher = false;           // GPT: a teacher's detached logits (its own wrapper) join the output
+  // The tied net instead (TiedNet): its second and third blocks (units of their own) share one
+  // Linear, so a unit's weight is used by another unit, neither of them the root.
+  bool tied = false;
+  // A second model wrapped on its own (a GAN's generator before its discriminator): its output is
+  // the core's input, computed outside the core's forward, and both train. fp32, float inputs
+  // (uneven or tied net) only: the mixed-precision replay has no second root.
+  bool two_roots = false;
   std::string describe() const;
+  // Forces features named in a comma-separated list (--features): gpt, uneven, dhen, tied,
+  // two_roots, sgd, adam, adamw.
+  void force(const std::string& names);
 };
+
+// A block of the tied net: a Linear (its own, or shared with another block) and its own Linear.
+struct TiedBlockImpl : torch::nn::Module {
+  explicit TiedBlockImpl(torch::nn::Linear lin);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear lin{nullptr}, own{nullptr};
+};
+TORCH_MODULE(TiedBlock);
+// [N, 16] -> [N, 16]: b0, then b1 and b2 sharing one Linear (the same holder in both), then a head.
+struct TiedNetImpl : torch::nn::Module {
+  TiedNetImpl();
+  torch::Tensor forward(const torch::Tensor& x);
+  TiedBlock b0{nullptr}, b1{nullptr}, b2{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(TiedNet);
+
+// The second root of Features::two_roots: [N, 16] -> [N, 16], two Linear units. Built from
+// torch::manual_seed(2).
+torch::nn::Sequential make_second_root();
 
 // The network inside every FuzzNet, and what its loss is.
 struct Core {
   bool gpt = true;
   bool dhen = false;
+  bool tied = false;
   std::shared_ptr<torch::nn::Module> module;
   torch::Tensor run(const torch::Tensor& x) const;
   // Inputs and targets of rows [begin, end) of global batch `batch`.

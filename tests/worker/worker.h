@@ -51,6 +51,7 @@ struct Args {
   std::string fault = "kill", fault_at = "forward";  // fault: what happens, where
   int fault_rank = -1, fault_step = 2;
   std::string sequence;  // fuzz: explicit calls instead of random ones
+  std::string features;  // fuzz: features forced on every seed (fuzz_models.h, Features::force)
   std::string mismatch_what = "model";  // structure: what differs on --mismatch-rank
   int calls = 12;             // fuzz: calls per sequence
   std::string hole;           // holes: which loop (holes.cpp)

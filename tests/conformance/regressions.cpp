@@ -1,0 +1,237 @@
+// Loops an outside client wrote as a new user would, that fsdp once got wrong (issue 35):
+//   a weight shared by two units, neither of them the root, under hybrid sharding;
+//   two wrapped models in one process (the official libtorch DCGAN example's loop);
+//   an Embedding built with sparse(true).
+#include "conformance.h"
+
+namespace conformance {
+namespace {
+
+// A block: a 3x3 convolution (its own, or one shared with another block) and its own 1x1 one.
+struct ConvBlockImpl : torch::nn::Module {
+  explicit ConvBlockImpl(torch::nn::Conv2d shared) {
+    conv = register_module("conv", shared);
+    proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 1)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::relu(proj(torch::relu(conv(x)))) + x; }
+  torch::nn::Conv2d conv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(ConvBlock);
+
+// The second and third blocks share one Conv2d: the same holder registered in both.
+struct TiedCNNImpl : torch::nn::Module {
+  TiedCNNImpl() {
+    stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+    torch::nn::Conv2d shared(torch::nn::Conv2dOptions(8, 8, 3).padding(1));
+    b1 = register_module("b1", ConvBlock(torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1))));
+    b2 = register_module("b2", ConvBlock(shared));
+    b3 = register_module("b3", ConvBlock(shared));
+    head = register_module("head", torch::nn::Linear(8 * 8 * 8, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(stem(x));
+    h = b3(b2(b1(h)));
+    return head(h.flatten(1));
+  }
+  torch::nn::Conv2d stem{nullptr};
+  ConvBlock b1{nullptr}, b2{nullptr}, b3{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(TiedCNN);
+
+template <typename Optim, typename Options>
+void shared_conv_parity(Ctx& c, const Options& optim_options, double loss_tol, double param_tol) {
+  for_each(c, every_strategy(c), [&](const Variant& v) {
+    torch::manual_seed(0);
+    TiedCNN mine;
+    torch::manual_seed(0);
+    TiedCNN local;
+    fsdp::Options o = v.options;
+    o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
+    fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
+    c.expect(model.units().size() == 4, "the three blocks and the root are the units");
+    Optim optim(model.parameters(), optim_options);
+    Optim local_optim(unique_parameters(*local), optim_options);
+    for (int step = 0; step < 10; ++step) {
+      const auto x = randn(100 + step, {8, 3, 8, 8});
+      const auto y = randint(200 + step, 10, {8});
+      optim.zero_grad();
+      auto loss = torch::cross_entropy_loss(model(my_rows(c, x)), my_rows(c, y));
+      loss.backward();
+      optim.step();
+      local_optim.zero_grad();
+      auto local_loss = torch::cross_entropy_loss(local->forward(x), y);
+      local_loss.backward();
+      local_optim.step();
+      c.expect_near("loss at step " + std::to_string(step), global_mean(c, loss.item().toDouble()), local_loss.item().toDouble(),
+                    loss_tol);
+    }
+    expect_same_model(c, model, *mine, *local, param_tol);
+  });
+}
+
+}  // namespace
+
+CONFORMANCE_CASE(Regressions, WeightSharedByTwoInnerUnitsWithAdam, 4,
+                 "FSDP1 test_fsdp_flatten_params *_with_shared_params; issue 35 (hybrid_shard drifted from step 3)") {
+  shared_conv_parity<torch::optim::Adam>(c, torch::optim::AdamOptions(1e-3), 1e-5, 2e-5);
+}
+
+CONFORMANCE_CASE(Regressions, WeightSharedByTwoInnerUnitsWithSGD, 4,
+                 "FSDP1 test_fsdp_flatten_params *_with_shared_params; issue 35") {
+  shared_conv_parity<torch::optim::SGD>(c, torch::optim::SGDOptions(0.05).momentum(0.9), 1e-5, 1e-5);
+}
+
+namespace {
+
+// The official libtorch DCGAN example's networks (pytorch/examples cpp/dcgan), a quarter as wide.
+constexpr int64_t kNoise = 16;
+torch::nn::Sequential make_generator() {
+  return torch::nn::Sequential(
+      torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(kNoise, 64, 4).bias(false)),
+      torch::nn::BatchNorm2d(64), torch::nn::ReLU(),
+      torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(64, 32, 3).stride(2).padding(1).bias(false)),
+      torch::nn::BatchNorm2d(32), torch::nn::ReLU(),
+      torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(32, 16, 4).stride(2).padding(1).bias(false)),
+      torch::nn::BatchNorm2d(16), torch::nn::ReLU(),
+      torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(16, 1, 4).stride(2).padding(1).bias(false)),
+      torch::nn::Tanh());
+}
+torch::nn::Sequential make_discriminator() {
+  return torch::nn::Sequential(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 4).stride(2).padding(1).bias(false)),
+      torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2)),
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 4).stride(2).padding(1).bias(false)),
+      torch::nn::BatchNorm2d(32), torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2)),
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 4).stride(2).padding(1).bias(false)),
+      torch::nn::BatchNorm2d(64), torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2)),
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(64, 1, 3).stride(1).padding(0).bias(false)), torch::nn::Sigmoid());
+}
+
+// `fn(rows)` on each rank's rows of `x` apart, the mean of the W results: what data-parallel
+// training computes with a BatchNorm (each rank normalizes its own rows), on one process.
+template <typename Fn>
+torch::Tensor per_rank_mean(const Ctx& c, const torch::Tensor& x, Fn&& fn) {
+  const int64_t per = x.size(0) / c.world;
+  torch::Tensor sum;
+  for (int r = 0; r < c.world; ++r) {
+    auto l = fn(x.narrow(0, r * per, per), r * per, per);
+    sum = sum.defined() ? sum + l : l;
+  }
+  return sum / c.world;
+}
+
+}  // namespace
+
+CONFORMANCE_CASE(Regressions, TwoWrappedModelsTrainLikeTheDCGANExample, 4,
+                 "issue 35 (hybrid_shard aborted in Gloo: a collective mismatch between two roots)") {
+  for_each(c, every_strategy(c), [&](const Variant& v) {
+    torch::manual_seed(1);
+    auto G = make_generator(), D = make_discriminator();
+    torch::manual_seed(1);
+    auto lG = make_generator(), lD = make_discriminator();
+    fsdp::Options o = v.options;
+    o.auto_wrap_policy = fsdp::module_type_policy<torch::nn::ConvTranspose2dImpl, torch::nn::Conv2dImpl>();
+    fsdp::FullyShardedDataParallel generator(G, c.mesh, o);
+    fsdp::FullyShardedDataParallel discriminator(D, c.mesh, o);
+    const auto adam = torch::optim::AdamOptions(2e-4).betas({0.5, 0.999});
+    torch::optim::Adam g_optim(generator.parameters(), adam), d_optim(discriminator.parameters(), adam);
+    torch::optim::Adam lg_optim(lG->parameters(), adam), ld_optim(lD->parameters(), adam);
+    const int64_t B = 8;
+    for (int step = 0; step < 4; ++step) {
+      const auto real = torch::tanh(randn(300 + step, {B, 1, 28, 28}));
+      const auto noise = randn(400 + step, {B, kNoise, 1, 1});
+      const auto real_labels = torch::rand({B}, at::make_generator<at::CPUGeneratorImpl>(500 + step)) * 0.2 + 0.8;
+      const auto zeros = torch::zeros({B}), ones = torch::ones({B});
+      // The discriminator: backwarded twice, on real images and on detached fakes.
+      discriminator.module()->zero_grad();
+      auto d_real = torch::binary_cross_entropy(discriminator(my_rows(c, real)).reshape(-1), my_rows(c, real_labels));
+      d_real.backward();
+      auto fake = generator(my_rows(c, noise));
+      auto d_fake = torch::binary_cross_entropy(discriminator(fake.detach()).reshape(-1), my_rows(c, zeros));
+      d_fake.backward();
+      d_optim.step();
+      // The generator, through the discriminator.
+      generator.module()->zero_grad();
+      auto g_loss = torch::binary_cross_entropy(discriminator(fake).reshape(-1), my_rows(c, ones));
+      g_loss.backward();
+      g_optim.step();
+
+      // The same loop in plain libtorch, each rank's rows through its own BatchNorm statistics.
+      lD->zero_grad();
+      auto ld_real = per_rank_mean(c, real, [&](const torch::Tensor& x, int64_t b, int64_t n) {
+        return torch::binary_cross_entropy(lD->forward(x).reshape(-1), real_labels.narrow(0, b, n));
+      });
+      ld_real.backward();
+      std::vector<torch::Tensor> fakes;
+      auto ld_fake = per_rank_mean(c, noise, [&](const torch::Tensor& z, int64_t, int64_t n) {
+        fakes.push_back(lG->forward(z));
+        return torch::binary_cross_entropy(lD->forward(fakes.back().detach()).reshape(-1), torch::zeros({n}));
+      });
+      ld_fake.backward();
+      ld_optim.step();
+      lG->zero_grad();
+      int r = 0;
+      auto lg_loss = per_rank_mean(c, noise, [&](const torch::Tensor&, int64_t, int64_t n) {
+        return torch::binary_cross_entropy(lD->forward(fakes[static_cast<size_t>(r++)]).reshape(-1), torch::ones({n}));
+      });
+      lg_loss.backward();
+      lg_optim.step();
+      const std::string at = " at step " + std::to_string(step);
+      c.expect_near("discriminator loss on real images" + at, global_mean(c, d_real.item().toDouble()), ld_real.item().toDouble(), 1e-5);
+      c.expect_near("discriminator loss on fakes" + at, global_mean(c, d_fake.item().toDouble()), ld_fake.item().toDouble(), 1e-5);
+      c.expect_near("generator loss" + at, global_mean(c, g_loss.item().toDouble()), lg_loss.item().toDouble(), 1e-5);
+    }
+    // Parameters only: each rank's BatchNorm running statistics are its own rows' (as in DDP
+    // without broadcast_buffers), which one local model cannot hold.
+    expect_same_model(c, generator, *G.ptr(), *lG.ptr(), 2e-5, /*buffers=*/false);
+    expect_same_model(c, discriminator, *D.ptr(), *lD.ptr(), 2e-5, /*buffers=*/false);
+  });
+}
+
+namespace {
+// A recommendation model's table with sparse gradients, then a dense tower.
+struct SparseTableNetImpl : torch::nn::Module {
+  SparseTableNetImpl() {
+    table = register_module("table", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 8).sparse(true)));
+    tower = register_module("tower", torch::nn::Linear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return tower(table(ids).mean(1)).reshape(-1); }
+  torch::nn::Embedding table{nullptr};
+  torch::nn::Linear tower{nullptr};
+};
+TORCH_MODULE(SparseTableNet);
+}  // namespace
+
+CONFORMANCE_CASE(Regressions, EmbeddingWithSparseGradientsTrainsLikeLocal, 4,
+                 "issue 35 (libtorch's 'reshape is not implemented for sparse tensors' at the first backward)") {
+  for_each(c, every_strategy(c, /*bf16=*/true), [&](const Variant& v) {
+    torch::manual_seed(2);
+    SparseTableNet mine;
+    torch::manual_seed(2);
+    SparseTableNet local;
+    fsdp::Options o = v.options;
+    o.auto_wrap_policy = fsdp::module_type_policy<torch::nn::EmbeddingImpl>();
+    fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
+    // SGD (with momentum) takes sparse gradients in plain libtorch.
+    torch::optim::SGD optim(model.parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+    torch::optim::SGD local_optim(local->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+    const double tol = v.mixed_precision() ? 2e-2 : 1e-5;
+    for (int step = 0; step < 4; ++step) {
+      const auto ids = randint(600 + step, 50, {8, 5});
+      const auto y = randn(700 + step, {8});
+      optim.zero_grad();
+      auto loss = torch::mse_loss(model(my_rows(c, ids)).to(torch::kFloat), my_rows(c, y));
+      loss.backward();
+      optim.step();
+      local_optim.zero_grad();
+      auto local_loss = torch::mse_loss(local->forward(ids), y);
+      local_loss.backward();
+      local_optim.step();
+      c.expect_near("loss at step " + std::to_string(step), global_mean(c, loss.item().toDouble()), local_loss.item().toDouble(), tol);
+    }
+    expect_same_model(c, model, *mine, *local, tol);
+  });
+}
+
+}  // namespace conformance
