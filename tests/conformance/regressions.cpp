@@ -9,30 +9,35 @@ namespace {
 
 // A block: a 3x3 convolution (its own, or one shared with another block) and its own 1x1 one.
 struct ConvBlockImpl : torch::nn::Module {
-  explicit ConvBlockImpl(torch::nn::Conv2d shared) {
+  ConvBlockImpl(torch::nn::Conv2d shared, int64_t channels) {
     conv = register_module("conv", shared);
-    proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 1)));
+    proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, channels, 1)));
   }
   torch::Tensor forward(const torch::Tensor& x) { return torch::relu(proj(torch::relu(conv(x)))) + x; }
   torch::nn::Conv2d conv{nullptr}, proj{nullptr};
 };
 TORCH_MODULE(ConvBlock);
 
-// The second and third blocks share one Conv2d: the same holder registered in both.
+// The second and third blocks share one Conv2d: the same holder registered in both, so the unit of
+// the block registered first (b2) holds it and the other block's forward gathers b2's unit.
+// `b3_first`: forward runs b3 before b2 (b2's unit is gathered, freed and gathered again within
+// one forward). Odd channel counts leave the units padded.
 struct TiedCNNImpl : torch::nn::Module {
-  TiedCNNImpl() {
-    stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
-    torch::nn::Conv2d shared(torch::nn::Conv2dOptions(8, 8, 3).padding(1));
-    b1 = register_module("b1", ConvBlock(torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1))));
-    b2 = register_module("b2", ConvBlock(shared));
-    b3 = register_module("b3", ConvBlock(shared));
-    head = register_module("head", torch::nn::Linear(8 * 8 * 8, 10));
+  TiedCNNImpl(int64_t channels, bool b3_first) : b3_first(b3_first) {
+    using torch::nn::Conv2dOptions;
+    stem = register_module("stem", torch::nn::Conv2d(Conv2dOptions(3, channels, 3).padding(1)));
+    torch::nn::Conv2d shared(Conv2dOptions(channels, channels, 3).padding(1));
+    b1 = register_module("b1", ConvBlock(torch::nn::Conv2d(Conv2dOptions(channels, channels, 3).padding(1)), channels));
+    b2 = register_module("b2", ConvBlock(shared, channels));
+    b3 = register_module("b3", ConvBlock(shared, channels));
+    head = register_module("head", torch::nn::Linear(channels * 8 * 8, 10));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    auto h = torch::relu(stem(x));
-    h = b3(b2(b1(h)));
+    auto h = b1(torch::relu(stem(x)));
+    h = b3_first ? b2(b3(h)) : b3(b2(h));
     return head(h.flatten(1));
   }
+  bool b3_first;
   torch::nn::Conv2d stem{nullptr};
   ConvBlock b1{nullptr}, b2{nullptr}, b3{nullptr};
   torch::nn::Linear head{nullptr};
@@ -41,33 +46,41 @@ TORCH_MODULE(TiedCNN);
 
 template <typename Optim, typename Options>
 void shared_conv_parity(Ctx& c, const Options& optim_options, double loss_tol, double param_tol) {
-  for_each(c, every_strategy(c), [&](const Variant& v) {
-    torch::manual_seed(0);
-    TiedCNN mine;
-    torch::manual_seed(0);
-    TiedCNN local;
-    fsdp::Options o = v.options;
-    o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
-    fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
-    c.expect(model.units().size() == 4, "the three blocks and the root are the units");
-    Optim optim(model.parameters(), optim_options);
-    Optim local_optim(unique_parameters(*local), optim_options);
-    for (int step = 0; step < 10; ++step) {
-      const auto x = randn(100 + step, {8, 3, 8, 8});
-      const auto y = randint(200 + step, 10, {8});
-      optim.zero_grad();
-      auto loss = torch::cross_entropy_loss(model(my_rows(c, x)), my_rows(c, y));
-      loss.backward();
-      optim.step();
-      local_optim.zero_grad();
-      auto local_loss = torch::cross_entropy_loss(local->forward(x), y);
-      local_loss.backward();
-      local_optim.step();
-      c.expect_near("loss at step " + std::to_string(step), global_mean(c, loss.item().toDouble()), local_loss.item().toDouble(),
-                    loss_tol);
-    }
-    expect_same_model(c, model, *mine, *local, param_tol);
-  });
+  struct Shape {
+    int64_t channels;
+    bool b3_first;
+  };
+  for (const Shape shape : {Shape{8, false}, Shape{5, true}}) {
+    auto variants = every_strategy(c);
+    for (auto& v : variants) v.name += shape.b3_first ? ", b3 before b2, 5 channels" : ", b2 before b3";
+    for_each(c, variants, [&](const Variant& v) {
+      torch::manual_seed(0);
+      TiedCNN mine(shape.channels, shape.b3_first);
+      torch::manual_seed(0);
+      TiedCNN local(shape.channels, shape.b3_first);
+      fsdp::Options o = v.options;
+      o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
+      fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
+      c.expect(model.units().size() == 4, "the three blocks and the root are the units");
+      Optim optim(model.parameters(), optim_options);
+      Optim local_optim(unique_parameters(*local), optim_options);
+      for (int step = 0; step < 10; ++step) {
+        const auto x = randn(100 + step, {8, 3, 8, 8});
+        const auto y = randint(200 + step, 10, {8});
+        optim.zero_grad();
+        auto loss = torch::cross_entropy_loss(model(my_rows(c, x)), my_rows(c, y));
+        loss.backward();
+        optim.step();
+        local_optim.zero_grad();
+        auto local_loss = torch::cross_entropy_loss(local->forward(x), y);
+        local_loss.backward();
+        local_optim.step();
+        c.expect_near("loss at step " + std::to_string(step), global_mean(c, loss.item().toDouble()),
+                      local_loss.item().toDouble(), loss_tol);
+      }
+      expect_same_model(c, model, *mine, *local, param_tol);
+    });
+  }
 }
 
 }  // namespace
