@@ -324,6 +324,7 @@ void Runtime::backward_needs(size_t u) {
     use(u);
     return;
   }
+  check_unit_intact_for_backward(u);
   release_passed_frozen(u);
   gather(u);
   if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch_backward(u);

@@ -140,6 +140,9 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   // iteration ends (IDLE).
   void end_abandoned_forward();
   void check_parameters_intact() const;
+  // Backward reaches unit `u`: its parameters still point where fsdp put them (throws a Refusal
+  // naming one a user replaced with set_data() since the forward).
+  void check_unit_intact_for_backward(size_t u) const;
   void check_sequence();
   void fail(const std::string& what, size_t unit);
   // Issue unit's all-gather if it is sharded (through the rate limiter).

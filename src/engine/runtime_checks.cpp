@@ -156,6 +156,24 @@ void Runtime::check_parameters_intact() const {
   }
 }
 
+void Runtime::check_unit_intact_for_backward(size_t u) const {
+  if (summoned_ || pinned(u)) return;
+  const FlatParamHandle& h = units_[u]->handle();
+  // Where the parameters must point now: the gathered buffer once the unit is unsharded (unless it
+  // has none: F = 1 computes on the shard), else the shard (a gather in flight has not moved them).
+  const c10::StorageImpl* expected =
+      h.state() == HandleState::UNSHARDED && h.has_unsharded_buffer() ? h.unsharded_storage() : h.shard_storage();
+  const auto& params = h.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].has_storage() && params[i].storage().unsafeGetStorageImpl() == expected) continue;
+    throw Refusal("fsdp: parameter '" + h.layout().entries()[i].fqn +
+                  "' was replaced (set_data() or a load into it) between the forward and its backward: the graph "
+                  "saved the values forward used, and fsdp's shard no longer backs the parameter, so backward "
+                  "would accumulate into a tensor the optimizer never steps. Change parameters before the "
+                  "forward or after the optimizer step, in place, or inside summon_full_params().");
+  }
+}
+
 void Runtime::check_sequence() {
   if (comm_.mesh().world_size == 1) return;
   const int64_t t0 = Timeline::now_ns();

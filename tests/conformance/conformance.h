@@ -6,6 +6,8 @@
 //
 // fsdp-conformance is one rank of such a scenario:
 //   fsdp-conformance --list                        every scenario: "Suite.Name world_size" per line
+//   fsdp-conformance --peers                       "Suite.Name<TAB>peer" per line: the map rows ("#117")
+//                                                  and peer tests it ports (docs/conformance.md)
 //   fsdp-conformance --case Suite.Name --nproc-per-node W --out PREFIX
 // Each rank writes PREFIX.<rank>.json: {"case", "rank", "failures": [...], "figures": {...}}.
 // tests/conformance/test_conformance.cpp makes one gtest test of each scenario.

@@ -10,19 +10,24 @@ namespace {
 
 int run(int argc, char** argv) {
   std::string which, out = "/tmp/fsdp-conformance";
-  bool list = false;
+  bool list = false, peers = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--list") list = true;
+    else if (a == "--peers") peers = true;
     else if (a == "--case" && i + 1 < argc) which = argv[++i];
     else if (a == "--out" && i + 1 < argc) out = argv[++i];
     else throw std::invalid_argument("fsdp-conformance: unknown argument " + a +
-                                     " (use --list, or --case Suite.Name --nproc-per-node W --out PREFIX)");
+                                     " (use --list, --peers, or --case Suite.Name --nproc-per-node W --out PREFIX)");
   }
   auto cases = conformance::cases();
   std::sort(cases.begin(), cases.end(), [](const auto& a, const auto& b) { return a.full_name() < b.full_name(); });
   if (list) {
     for (const auto& c : cases) std::cout << c.full_name() << " " << c.world << "\n";
+    return 0;
+  }
+  if (peers) {  // what docs/conformance.md is made from (scripts/conformance_table)
+    for (const auto& c : cases) std::cout << c.full_name() << "\t" << c.peer << "\n";
     return 0;
   }
   auto it = std::find_if(cases.begin(), cases.end(), [&](const auto& c) { return c.full_name() == which; });
