@@ -49,19 +49,28 @@ void shared_conv_parity(Ctx& c, const Options& optim_options, double loss_tol, d
   struct Shape {
     int64_t channels;
     bool b3_first;
+    bool conv_units;  // every Conv2d its own unit (the shared one once), not every block
   };
-  for (const Shape shape : {Shape{8, false}, Shape{5, true}}) {
+  for (const Shape shape : {Shape{8, false, false}, Shape{5, true, false}, Shape{8, false, true}}) {
     auto variants = every_strategy(c);
-    for (auto& v : variants) v.name += shape.b3_first ? ", b3 before b2, 5 channels" : ", b2 before b3";
+    for (auto& v : variants) {
+      v.name += shape.b3_first ? ", b3 before b2, 5 channels" : ", b2 before b3";
+      if (shape.conv_units) v.name += ", a unit per Conv2d";
+    }
     for_each(c, variants, [&](const Variant& v) {
       torch::manual_seed(0);
       TiedCNN mine(shape.channels, shape.b3_first);
       torch::manual_seed(0);
       TiedCNN local(shape.channels, shape.b3_first);
       fsdp::Options o = v.options;
-      o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
+      if (shape.conv_units) {
+        o.auto_wrap_policy = fsdp::module_type_policy<torch::nn::Conv2dImpl>();
+      } else {
+        o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
+      }
       fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
-      c.expect(model.units().size() == 4, "the three blocks and the root are the units");
+      const size_t units = shape.conv_units ? 7 : 4;  // stem, b1 x2, shared, b2.proj, b3.proj, root
+      c.expect(model.units().size() == units, "units: " + std::to_string(model.units().size()));
       Optim optim(model.parameters(), optim_options);
       Optim local_optim(unique_parameters(*local), optim_options);
       for (int step = 0; step < 10; ++step) {
