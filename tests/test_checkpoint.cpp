@@ -194,6 +194,40 @@ TEST(Checkpoint, DHENTablesReshardOntoOtherWorldSizes) {
   }
 }
 
+// Options::row_sharded_parameters (tests/worker/checkpoint_ignored.cpp, W = 2, the DHEN-like
+// model's table): wrong declarations are refused by name on every rank when the model is wrapped;
+// an ignored parameter left undeclared is replicated, and a save refuses it when the ranks' copies
+// differ (a table's rows do); a checkpoint whose table has another shape is refused by name with
+// nothing changed, and loads exactly into a model of the saved shape.
+TEST(Checkpoint, IgnoredParametersDeclarationsAndRefusals) {
+  const auto ranks = fsdp_test::expect_ranks("checkpoint_ignored", 2, "");
+  ASSERT_EQ(ranks.size(), 2u);
+  auto has = [](const json& r, const std::string& key, const std::string& text) {
+    return r[key].get<std::string>().find(text) != std::string::npos;
+  };
+  for (const auto& r : ranks) {
+    const std::string what = r.dump(1);
+    EXPECT_EQ(r["declared"], "") << what;
+    EXPECT_TRUE(has(r, "not_ignored", "'dense_proj.weight' is declared in Options::row_sharded_parameters but fsdp "
+                                      "does not ignore it")) << what;
+    EXPECT_TRUE(has(r, "not_ignored", "Options::ignored_modules")) << what;
+    EXPECT_TRUE(has(r, "not_a_parameter", "is not a parameter of the wrapped model")) << what;
+    EXPECT_TRUE(has(r, "declared_twice", "'sparse.weight' is declared twice")) << what;
+    EXPECT_TRUE(has(r, "overlap", "the ranks' rows of 'sparse.weight' do not tile its 256 rows: rows [0, 128) are "
+                                  "held by both rank 0 and rank 1")) << what;
+    EXPECT_TRUE(has(r, "gap", "do not tile its 261 rows: rows [256, 261) are held by no rank")) << what;
+    EXPECT_TRUE(has(r, "other_rows_per_rank", "rank 0 a table of 256 rows, rank 1 of 320")) << what;
+    EXPECT_TRUE(has(r, "undeclared_save", "ignored parameter 'sparse.weight' is replicated")) << what;
+    EXPECT_TRUE(has(r, "undeclared_save", "declare it in Options::row_sharded_parameters")) << what;
+    EXPECT_TRUE(has(r, "load_other_rows", "shapes differ for sparse.weight (saved [256, 16], model [128, 16])")) << what;
+    EXPECT_TRUE(has(r, "load_other_rows", "nothing was changed")) << what;
+    EXPECT_TRUE(r["unchanged"].get<bool>()) << what;
+    EXPECT_EQ(r["load_same_rows"], "") << what;
+    EXPECT_TRUE(r["loaded_exactly"].get<bool>()) << "rows, shards and AdamW state as saved; " << what;
+  }
+  fsdp_test::sh("rm -rf " + fsdp_test::temp_prefix("checkpoint_ignored") + "-ckpt-ignored*");
+}
+
 // A LOCAL checkpoint holds raw shards: another layout is refused with the reason and the way out.
 TEST(Checkpoint, LocalCheckpointRefusesAnotherLayout) {
   const std::string dir = fresh_dir("local-layout");
