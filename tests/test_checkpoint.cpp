@@ -198,7 +198,8 @@ TEST(Checkpoint, DHENTablesReshardOntoOtherWorldSizes) {
 // model's table): wrong declarations are refused by name on every rank when the model is wrapped;
 // an ignored parameter left undeclared is replicated, and a save refuses it when the ranks' copies
 // differ (a table's rows do); a checkpoint whose table has another shape is refused by name with
-// nothing changed, and loads exactly into a model of the saved shape.
+// nothing changed, and loads exactly into a model of the saved shape; full_state_dict,
+// sharded_state_dict, export_full and load_model_file hold the table whole or the rows in place.
 TEST(Checkpoint, IgnoredParametersDeclarationsAndRefusals) {
   const auto ranks = fsdp_test::expect_ranks("checkpoint_ignored", 2, "");
   ASSERT_EQ(ranks.size(), 2u);
@@ -224,6 +225,9 @@ TEST(Checkpoint, IgnoredParametersDeclarationsAndRefusals) {
     EXPECT_TRUE(r["unchanged"].get<bool>()) << what;
     EXPECT_EQ(r["load_same_rows"], "") << what;
     EXPECT_TRUE(r["loaded_exactly"].get<bool>()) << "rows, shards and AdamW state as saved; " << what;
+    EXPECT_TRUE(r["full_state_dict_table"].get<bool>()) << "the whole table, as one process draws it; " << what;
+    EXPECT_TRUE(r["sharded_state_dict_table"].get<bool>()) << "this rank's rows at their place; " << what;
+    EXPECT_TRUE(r["load_model_file_rows"].get<bool>()) << "export_full's file gives each rank its trained rows; " << what;
   }
   fsdp_test::sh("rm -rf " + fsdp_test::temp_prefix("checkpoint_ignored") + "-ckpt-ignored*");
 }

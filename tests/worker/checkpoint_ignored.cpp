@@ -6,7 +6,9 @@
 //   parameter left undeclared (replicated: refused when the ranks' copies differ), and a load of a
 //   checkpoint whose table has another shape: refused by name with nothing changed on any rank,
 //   while the same load into a model of the saved shape brings back every row and its AdamW state
-//   bit for bit. Writes each error message (empty: none) and the comparisons.
+//   bit for bit. In memory and as one file: full_state_dict's table whole, sharded_state_dict's
+//   rows at their place in it, and export_full's file loading (load_model_file) each rank's rows.
+//   Writes each error message (empty: none) and the comparisons.
 #include <functional>
 
 #include "fsdp/checkpoint.h"
@@ -140,6 +142,39 @@ json run_checkpoint_ignored(const std::shared_ptr<fsdp::Mesh>& mesh, const Args&
     for (int s = 5; s < 8; ++s) step(sharded, m, optim, s);
     out["load_same_rows"] = error_of([&] { fsdp::load_checkpoint(fsdp::latest_checkpoint(dir).value(), sharded, &optim); });
     out["loaded_exactly"] = same(saved_state, snapshot(sharded, optim));
+  }
+  {  // In memory and as one file: the table whole, or this rank's rows with their place in it.
+    models::DHEN m = build(tiny.rows);
+    fsdp::FullyShardedDataParallel sharded(m, mesh, options(m, true));
+    torch::manual_seed(0);
+    const models::DHEN whole(tiny);  // one process, the same seed: the whole table, as every W draws it
+    const torch::Tensor& all_rows = whole->sparse->weight;
+    auto table_of = [](const std::vector<std::pair<std::string, torch::Tensor>>& sd) {
+      for (const auto& [name, t] : sd) {
+        if (name == "sparse.weight") return t;
+      }
+      return torch::Tensor();
+    };
+    const torch::Tensor full = table_of(fsdp::full_state_dict(sharded, /*rank0_only=*/false));
+    out["full_state_dict_table"] = full.defined() && full.sizes() == all_rows.sizes() && torch::equal(full, all_rows);
+    out["sharded_state_dict_table"] = false;
+    for (const auto& [name, piece] : fsdp::sharded_state_dict(sharded)) {
+      if (name != "sparse.weight") continue;
+      const int64_t begin = m->sparse->row_begin(), rows = m->sparse->local_rows();
+      out["sharded_state_dict_table"] = piece.shape == std::vector<int64_t>{N, tiny.dim} &&
+                                        piece.flat_begin == begin * tiny.dim &&
+                                        torch::equal(piece.local.view({rows, tiny.dim}), all_rows.narrow(0, begin, rows));
+    }
+    torch::optim::AdamW optim(sharded.parameters(), torch::optim::AdamWOptions(0.01));
+    for (int s = 0; s < 2; ++s) step(sharded, m, optim, s);
+    const std::string file = dir + "-model.safetensors";
+    fsdp::export_full(file, sharded);
+    const torch::Tensor trained = table_of(fsdp::full_state_dict(sharded, /*rank0_only=*/false));
+    models::DHEN fresh = build(tiny.rows);
+    fsdp::FullyShardedDataParallel reloaded(fresh, mesh, options(fresh, true));
+    fsdp::load_model_file(file, reloaded);
+    out["load_model_file_rows"] = torch::equal(fresh->sparse->weight, m->sparse->weight) &&
+                                  !torch::equal(trained, all_rows);
   }
   return out;
 }
