@@ -33,6 +33,11 @@ namespace models {
 // order. Autograd runs this backward only when the loss depends on the output, so each rank's
 // loss must (a rank with an empty batch slice can backward out.sum(), whose gradient is zero).
 //
+// Checkpoints: under fsdp the rows are ignored parameters, and a checkpoint saves the table whole
+// when the job declares which rows each rank holds (fsdp's Options::row_sharded_parameters, from
+// row_begin() and local_rows(): apps/train/dhen_workload.cpp); a load at another world size then
+// gives each rank its new rows. This header stays free of fsdp's options: the caller declares.
+//
 // Gradient convention (W > 1): each rank's loss is the mean over its own slice of the global
 // batch, and data-parallel training averages gradients over ranks, so the gradient delivered to
 // the local weight is the sum of every rank's contributions divided by W. The embedding's

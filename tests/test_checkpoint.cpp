@@ -3,6 +3,7 @@
 // damaged on purpose, written while a rank is killed, and read and written by Python.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -26,7 +27,9 @@ struct TrainRun {
   // (step, rank) -> loss
   std::map<std::pair<int, int>, double> losses() const {
     std::map<std::pair<int, int>, double> out;
-    for (const auto& r : rows) out[{r["step"].get<int>(), r["rank"].get<int>()}] = r["loss"].get<double>();
+    for (const auto& r : rows) {
+      if (!r.contains("event")) out[{r["step"].get<int>(), r["rank"].get<int>()}] = r["loss"].get<double>();
+    }
     return out;
   }
 };
@@ -90,6 +93,15 @@ TEST_P(ResumeIsBitExact, LossesParametersAndOptimizerState) {
     EXPECT_EQ(loss, a.at(key)) << "step " << key.first << " rank " << key.second;
   }
   expect_same_tensors(step_dir(dir + "/whole", 20), step_dir(dir + "/resumed", 20));
+  // With --state-hash, each rank's hash of everything it holds and steps (shards, rows outside
+  // fsdp, their optimizer state) at the end.
+  const auto ha = fsdp_test::hashes(whole.rows), hb = fsdp_test::hashes(resumed.rows);
+  EXPECT_EQ(ha.size(), hb.size());
+  for (const auto& [rank, h] : ha) {
+    ASSERT_TRUE(hb.count(rank)) << "rank " << rank;
+    EXPECT_EQ(h["hash"], hb.at(rank)["hash"]) << "rank " << rank;
+  }
+  if (c.flags.find("--state-hash") != std::string::npos) EXPECT_FALSE(ha.empty()) << whole.run.output;
   fsdp_test::sh("rm -rf " + dir);
 }
 
@@ -110,6 +122,15 @@ std::vector<ResumeCase> resume_cases() {
   out.push_back({"full_shard_dropout", "--nproc-per-node 2 --dropout 0.2"});
   out.push_back({"hybrid_shard_dropout_checkpointed", "--nproc-per-node 4 --shard-size 2 --strategy hybrid_shard "
                                                       "--dropout 0.2 --activation-checkpointing"});
+  // The DHEN-like model: its embedding rows are outside fsdp, each rank its own
+  // (Options::row_sharded_parameters), and are saved with the rest, their AdamW state too. Under
+  // hybrid_shard every rank writes its rows (its replica's shards are written by the first one).
+  for (const std::string kind : {"sharded", "full", "local"}) {
+    out.push_back({"dhen_" + kind + "_kind", "--model dhen-tiny --nproc-per-node 2 --state-hash --checkpoint-kind " + kind});
+  }
+  out.push_back({"dhen_async", "--model dhen-tiny --nproc-per-node 2 --state-hash --async-save"});
+  out.push_back({"dhen_hybrid_shard", "--model dhen-tiny --nproc-per-node 4 --shard-size 2 --strategy hybrid_shard "
+                                      "--state-hash"});
   return out;
 }
 
@@ -142,6 +163,73 @@ TEST(Checkpoint, ReshardsOntoOtherWorldSizesAndStrategies) {
     }
     fsdp_test::sh("rm -rf " + dir);
   }
+}
+
+// The DHEN-like model's tables (issue 35): saved at W = 4 (each rank a quarter of the rows, and
+// their AdamW state), resumed at W = 3, 2 and 1, where each rank reads the rows its declaration
+// names from the saved whole table (W = 3 splits the 256 rows 86, 86, 84: other boundaries than
+// the saving ranks'). The global batch is the same at every W, so the losses follow the
+// uninterrupted W = 4 run within fp32 rounding.
+TEST(Checkpoint, DHENTablesReshardOntoOtherWorldSizes) {
+  for (const std::string kind : {"sharded", "full"}) {
+    const std::string dir = fresh_dir("dhen-reshard-" + kind);
+    const std::string common = "--model dhen-tiny --global-batch-size 12 --steps 8 --checkpoint-kind " + kind;
+    const auto whole = train(dir, "w4", common + " --nproc-per-node 4 --save-every 4 --save-dir " + dir + "/w4");
+    ASSERT_EQ(whole.run.exit_code, 0) << whole.run.output;
+    const auto a = whole.losses();
+    for (const std::string target : {"--nproc-per-node 2", "--nproc-per-node 3", "--nproc-per-node 1"}) {
+      const auto r = train(dir, "target", common + " " + target + " --resume " + step_dir(dir + "/w4", 4));
+      ASSERT_EQ(r.run.exit_code, 0) << kind << " " << target << "\n" << r.run.output;
+      int compared = 0;
+      for (const auto& [key, loss] : r.losses()) {
+        if (key.second != 0) continue;
+        ASSERT_GE(key.first, 4);
+        EXPECT_NEAR(loss, a.at({key.first, 0}), 1e-5) << kind << " " << target << " step " << key.first;
+        ++compared;
+      }
+      EXPECT_EQ(compared, 4) << kind << " " << target;
+      std::remove((dir + "/target.jsonl").c_str());
+    }
+    fsdp_test::sh("rm -rf " + dir);
+  }
+}
+
+// Options::row_sharded_parameters (tests/worker/checkpoint_ignored.cpp, W = 2, the DHEN-like
+// model's table): wrong declarations are refused by name on every rank when the model is wrapped;
+// an ignored parameter left undeclared is replicated, and a save refuses it when the ranks' copies
+// differ (a table's rows do); a checkpoint whose table has another shape is refused by name with
+// nothing changed, and loads exactly into a model of the saved shape; full_state_dict,
+// sharded_state_dict, export_full and load_model_file hold the table whole or the rows in place.
+TEST(Checkpoint, IgnoredParametersDeclarationsAndRefusals) {
+  const auto ranks = fsdp_test::expect_ranks("checkpoint_ignored", 2, "");
+  ASSERT_EQ(ranks.size(), 2u);
+  auto has = [](const json& r, const std::string& key, const std::string& text) {
+    return r[key].get<std::string>().find(text) != std::string::npos;
+  };
+  for (const auto& r : ranks) {
+    const std::string what = r.dump(1);
+    EXPECT_EQ(r["declared"], "") << what;
+    EXPECT_TRUE(has(r, "not_ignored", "'dense_proj.weight' is declared in Options::row_sharded_parameters but fsdp "
+                                      "does not ignore it")) << what;
+    EXPECT_TRUE(has(r, "not_ignored", "Options::ignored_modules")) << what;
+    EXPECT_TRUE(has(r, "not_a_parameter", "is not a parameter of the wrapped model")) << what;
+    EXPECT_TRUE(has(r, "declared_twice", "'sparse.weight' is declared twice")) << what;
+    EXPECT_TRUE(has(r, "overlap", "the ranks' rows of 'sparse.weight' do not tile its 256 rows: rows [0, 128) are "
+                                  "held by both rank 0 and rank 1")) << what;
+    EXPECT_TRUE(has(r, "gap", "do not tile its 261 rows: rows [256, 261) are held by no rank")) << what;
+    EXPECT_TRUE(has(r, "other_rows_per_rank", "rank 0 a table of 256 rows, rank 1 of 320")) << what;
+    EXPECT_TRUE(has(r, "undeclared_save", "ignored parameter 'sparse.weight' is replicated")) << what;
+    EXPECT_TRUE(has(r, "undeclared_save", "declare it in Options::row_sharded_parameters")) << what;
+    EXPECT_TRUE(has(r, "load_other_rows", "shapes differ for sparse.weight (saved [256, 16], model [128, 16])")) << what;
+    EXPECT_TRUE(has(r, "load_other_rows", "nothing was changed")) << what;
+    EXPECT_TRUE(r["unchanged"].get<bool>()) << what;
+    EXPECT_EQ(r["load_same_rows"], "") << what;
+    EXPECT_TRUE(r["loaded_exactly"].get<bool>()) << "rows, shards and AdamW state as saved; " << what;
+    EXPECT_TRUE(r["full_state_dict_table"].get<bool>()) << "the whole table, as one process draws it; " << what;
+    EXPECT_TRUE(r["sharded_state_dict_table"].get<bool>()) << "this rank's rows at their place; " << what;
+    EXPECT_TRUE(r["load_model_file_rows"].get<bool>()) << "export_full's file gives each rank its trained rows; " << what;
+  }
+  fsdp_test::sh("rm -rf " + fsdp_test::temp_prefix("checkpoint_ignored") + "-ckpt-ignored*");
 }
 
 // A LOCAL checkpoint holds raw shards: another layout is refused with the reason and the way out.
@@ -311,6 +399,36 @@ TEST(CheckpointPython, ShardedCheckpointLoadsWithTorchDistributedCheckpoint) {
   const json res = last_json_line(py.output);
   EXPECT_TRUE(res["differ"].empty()) << res.dump();
   EXPECT_GT(res["checked"].get<int>(), 3 * res["params"].get<int>() - 1) << "model and both Adam moments: " << res.dump();
+  fsdp_test::sh("rm -rf " + dir);
+}
+
+// (b) for the DHEN-like model's table (issue 35), whose rows the ranks hold outside fsdp: a SHARDED
+// checkpoint saved at W = 4 holds each rank's rows as one box of the whole table (a quarter of its
+// 256 rows), and torch.distributed.checkpoint's Hugging Face reader reads it whole with its AdamW
+// state, equal bit for bit to the FULL checkpoint of the same state (rank 0 gathered the rows) and
+// to the export_full file the saving run wrote.
+TEST(CheckpointPython, DHENTableReadsWholeWithTorchDistributedCheckpoint) {
+  const std::string dir = fresh_dir("py-dhen");
+  for (const std::string kind : {"sharded", "full"}) {
+    const auto r = train(dir, kind, "--model dhen-tiny --nproc-per-node 4 --steps 4 --checkpoint-kind " + kind +
+                                        " --save-dir " + dir + "/" + kind + " --export-full " + dir + "/" + kind + ".safetensors");
+    ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  }
+  const auto py = fsdp_test::sh(interop() + "dcp-load --sharded " + step_dir(dir + "/sharded", 4) + " --full " +
+                                step_dir(dir + "/full", 4) + " --export " + dir + "/sharded.safetensors --table sparse.weight");
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  const json res = last_json_line(py.output);
+  EXPECT_TRUE(res["differ"].empty()) << res.dump();
+  for (const std::string key : {"sparse.weight", "state.sparse.weight.exp_avg", "state.sparse.weight.exp_avg_sq"}) {
+    EXPECT_NE(std::find(res["keys"].begin(), res["keys"].end(), key), res["keys"].end()) << key << ": " << res.dump();
+  }
+  ASSERT_EQ(res["pieces"].size(), 4u) << res.dump();
+  for (int r = 0; r < 4; ++r) {
+    const json& p = res["pieces"][r];
+    EXPECT_EQ(p["file"], "rank-0000" + std::to_string(r) + "-of-00004.safetensors") << res.dump();
+    EXPECT_EQ(p["saved_offsets"], json::array({64 * r, 0})) << res.dump();
+    EXPECT_EQ(p["shape"], json::array({64, 16})) << res.dump();
+  }
   fsdp_test::sh("rm -rf " + dir);
 }
 

@@ -150,3 +150,58 @@ TEST(MainJob, RunDirNoneKeepsNothingAndTwoRunsNeverShareAFolder) {
   EXPECT_NE(folders[0], folders[1]);
   fsdp_test::sh("rm -rf " + dir);
 }
+
+// The README's DHEN command, at test size (issue 35): the DHEN-like model's embedding rows live
+// outside fsdp, each rank its own (Options::row_sharded_parameters), and the run still ends with
+// its run folder: the checkpoint, the whole model (every row of the table: the Python one-liner
+// counts the parameters the header states) and the summary. Its printed resume command continues
+// it bit for bit, and at another --nproc-per-node within fp32 rounding.
+TEST(MainJob, DHENEndsWithItsRunFolderAndResumesAtAnotherWorldSize) {
+  const std::string dir = fsdp_test::temp_prefix("main-job-dhen");
+  ASSERT_EQ(fsdp_test::sh("rm -rf " + dir + " && mkdir -p " + dir).exit_code, 0);
+  const std::string flags = " --model dhen-tiny --log-every 100";
+  const auto first = fsdp_test::sh("cd " + dir + " && " + fsdp_test::bin_dir() + "/fsdp-train --nproc-per-node 2" + flags +
+                                   " --steps 4 --metrics-jsonl " + dir + "/run.jsonl");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string& out = first.output;
+  const std::string folder = after(out, "== saved in ");
+  ASSERT_TRUE(std::regex_match(folder, std::regex("runs/dhen-tiny-[0-9]{8}-[0-9]{6}(-[0-9]+)?/"))) << out;
+  EXPECT_EQ(after(out, "   checkpoint ").rfind(folder + "checkpoints/step-00000004 (sharded, ", 0), 0u) << out;
+  EXPECT_EQ(after(out, "   model      ").rfind(folder + "model.safetensors (", 0), 0u) << out;
+  EXPECT_EQ(fsdp_test::read_json(dir + "/" + folder + "summary.json")["steps"], 4);
+  const auto loaded = paste(dir, after(out, "   in Python: "));
+  ASSERT_EQ(loaded.exit_code, 0) << loaded.output;
+  std::smatch header;
+  ASSERT_TRUE(std::regex_search(out, header, std::regex("DHEN-like 'dhen-tiny' ([0-9]+) parameters"))) << out;
+  EXPECT_NE(loaded.output.find(" tensors, " + header[1].str() + " parameters"), std::string::npos)
+      << loaded.output << " (fsdp-train: " << header[1] << " parameters)";
+
+  const std::string resume = after(out, "   resume:    ");
+  ASSERT_NE(resume.find(" --nproc-per-node 2 "), std::string::npos) << out;
+  ASSERT_NE(resume.find(" --resume " + folder + "checkpoints --steps 8"), std::string::npos) << out;
+  const auto whole = fsdp_test::sh("cd " + dir + " && " + fsdp_test::bin_dir() + "/fsdp-train --nproc-per-node 2" + flags +
+                                   " --steps 8 --run-dir none --metrics-jsonl " + dir + "/whole.jsonl");
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const std::vector<double> uninterrupted = losses(dir + "/whole.jsonl");
+  ASSERT_EQ(uninterrupted.size(), 8u);
+  for (const int nproc : {2, 1}) {
+    std::string command = resume;
+    command.replace(command.find(" --nproc-per-node 2 "), 20, " --nproc-per-node " + std::to_string(nproc) + " ");
+    const std::string metrics = dir + "/resumed-" + std::to_string(nproc) + ".jsonl";
+    command.replace(command.find(dir + "/run.jsonl"), (dir + "/run.jsonl").size(), metrics);
+    const auto resumed = paste(dir, command);
+    ASSERT_EQ(resumed.exit_code, 0) << command << "\n" << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from " + folder + "checkpoints/step-00000004 at step 4"), std::string::npos)
+        << resumed.output;
+    const std::vector<double> continued = losses(metrics);
+    ASSERT_EQ(continued.size(), 8u) << resumed.output;
+    for (size_t s = 4; s < 8; ++s) {
+      if (nproc == 2) {
+        EXPECT_EQ(continued[s], uninterrupted[s]) << "step " << s << ", resumed at the saving world size";
+      } else {
+        EXPECT_NEAR(continued[s], uninterrupted[s], 1e-5 * uninterrupted[s]) << "step " << s << " at W = " << nproc;
+      }
+    }
+  }
+  fsdp_test::sh("rm -rf " + dir);
+}

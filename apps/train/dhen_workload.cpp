@@ -1,7 +1,8 @@
 // The DHEN-like recommendation model (models/dhen.h) as fsdp-train's workload: click prediction on
 // synthetic data with a known rule (models/click_data.h). As in the paper's DHEN (§2.3, §5), the
 // embedding tables are sharded row-wise across ranks and exchanged with all-to-all, outside fsdp
-// (Options::ignored_modules); fsdp shards the dense interaction layers (the units) and the rest.
+// (Options::ignored_modules, declared in Options::row_sharded_parameters: checkpoints save the
+// table whole); fsdp shards the dense interaction layers (the units) and the rest.
 #include <cstdio>
 #include <stdexcept>
 
@@ -59,9 +60,14 @@ class DHENWorkload final : public Workload {
   void configure(fsdp::Options& options, torch::nn::Module& model, int64_t micro_batch, int64_t element_size,
                  bool checkpointed) const override {
     options.auto_wrap_policy = fsdp::module_type_policy<models::DHENLayerImpl>();
-    // The tables are this rank's rows, exchanged by the model's own all-to-all: not fsdp's.
-    options.ignored_modules = {static_cast<models::DHENImpl&>(model).sparse.ptr()};
+    // The tables are this rank's rows, exchanged by the model's own all-to-all: not fsdp's. Declared
+    // as rows [row_begin, row_begin + local_rows) of the one logical table (all tables
+    // concatenated), so that checkpoints save the table whole and a load at another world size
+    // gives each rank its new rows.
+    const models::RowShardedEmbedding& sparse = static_cast<models::DHENImpl&>(model).sparse;
+    options.ignored_modules = {sparse.ptr()};
     options.ignored_parameters.clear();
+    options.row_sharded_parameters = {{sparse->weight, sparse->row_begin(), sparse->num_tables * sparse->rows}};
     // The layers' activations; checkpointed layers keep their input and recompute one at a time
     // (an upper bound: the estimate without checkpointing).
     (void)checkpointed;

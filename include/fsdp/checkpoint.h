@@ -16,6 +16,10 @@
 // the elements it holds). A load checks everything first and changes nothing unless every rank
 // can load all of it. Saves go to a temporary folder, are fsynced and renamed into place once
 // every rank's part is complete, so a crash during a save leaves the previous checkpoint intact.
+// Parameters fsdp ignores (Options::ignored_modules) are saved too, by kind (options.h): a table
+// declared in Options::row_sharded_parameters whole, with its optimizer state, each rank reading
+// its rows back at any world size; any other as replicated, once, after checking that the ranks'
+// copies are equal (refused otherwise, naming it: save, export_full and full_state_dict).
 #pragma once
 
 #include <cstdint>

@@ -144,6 +144,34 @@ struct MemoryBudget {
   bool async_checkpoint = false;
 };
 
+// The ignored parameters split by rows across the ranks of the mesh the model is wrapped over,
+// as torchrec's row-wise sharding splits an embedding table (in PyTorch, a DTensor placed
+// Shard(0); a ShardedTensor with one shard per rank): each rank declares its own part, and the
+// ranks' row ranges tile the table. Checkpoints save each table whole, under the parameter's name
+// and the table's shape [rows, ...], with its optimizer state (AdamW's exp_avg and exp_avg_sq of
+// the rows, and the step count) under the same keys as every other parameter's: a SHARDED save
+// writes each rank's rows as its own piece at its row offset (Python's torch.distributed.
+// checkpoint reads the table whole), a FULL one (and export_full, full_state_dict) gathers them
+// to rank 0. A load at any world size re-splits the table: each rank reads the rows its
+// declaration names from the saved whole, and a checkpoint without the table, or with another
+// shape, is refused by name with nothing changed on any rank.
+//
+// Checked when the model is wrapped, on every rank alike (so that no rank waits for another
+// that failed): the parameter must be ignored (in ignored_modules or ignored_parameters), be
+// declared once, have rows [row_begin, row_begin + parameter.size(0)) within [0, rows); and
+// across the ranks the tables must have the same rows, trailing shape and dtype, and their row
+// ranges must tile [0, rows) exactly, each row held by one rank (a rank may hold none). A
+// refusal names the parameter and the ranks, gaps or overlaps to fix. Not with
+// tensor_parallel (the rows' ranks would be the data-parallel mesh's, and a TP model's
+// checkpoints are gathered per TP group).
+//   opts.ignored_modules = {model->tables};
+//   opts.row_sharded_parameters = {{model->tables->weight, model->tables->row_begin(), total_rows}};
+struct RowShardedParameter {
+  at::Tensor parameter;   // this rank's rows [local_rows, ...]: a parameter of the wrapped model
+  int64_t row_begin = 0;  // the table's row that this rank's first row is
+  int64_t rows = 0;       // rows of the whole table, all ranks together
+};
+
 struct Options {
   ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
   // F for the hybrid strategies; 0 means LOCAL_WORLD_SIZE (shard within a node). Ignored by the
@@ -158,10 +186,20 @@ struct Options {
   // consistent: the paper's DHEN (§2.3, §5) shards its embedding tables model-parallel this way,
   // each rank its own rows, exchanged with all-to-all (models/row_sharded_embedding.h). They may
   // differ in shape across ranks. They stay in parameters() (an optimizer built from it steps
-  // them) but clip_grad_norm_ covers only fsdp's parameters, and checkpoints refuse a model that
-  // has them (save them yourself). A deferred_init model materializes them whole, on every rank.
+  // them) but clip_grad_norm_ covers only fsdp's parameters (and those it is given). A
+  // deferred_init model materializes them whole, on every rank.
+  //
+  // Checkpoints save them with the rest, by what kind they are (docs/checkpoints.md, "Ignored
+  // parameters"): an ignored parameter declared in row_sharded_parameters holds its rank's rows
+  // of a table; every other one is REPLICATED: every rank holds the same whole tensor (kept so
+  // by the caller: fsdp averages none of their gradients), saved once, rank 0's copy. A save
+  // checks that the ranks' copies are bitwise equal and refuses, naming the parameter, when they
+  // are not (a table left undeclared; a parameter each rank trained on its own gradients).
   std::vector<std::shared_ptr<torch::nn::Module>> ignored_modules;
   std::vector<at::Tensor> ignored_parameters;
+  // Which ignored parameters hold their rank's rows of a table (see RowShardedParameter above);
+  // the others are replicated.
+  std::vector<RowShardedParameter> row_sharded_parameters;
 
   UnitDetection unit_detection = UnitDetection::DISPATCH_KEY;
 

@@ -53,8 +53,9 @@ struct MemoryPlan {
   int64_t secondary_shards = 0;
   int64_t peak_unsharded_grads = 0;
   int64_t activations = 0;  // the caller's estimate (Options::memory_budget.activation_bytes)
-  // An asynchronous checkpoint's host copy (shards and Adam state) while it is written, through the
-  // next step (Options::memory_budget.async_checkpoint).
+  // An asynchronous checkpoint's host copy (shards, the ignored parameters this rank holds, and
+  // their Adam state) while it is written, through the next step
+  // (Options::memory_budget.async_checkpoint).
   int64_t checkpoint_copy = 0;
   // Parameters fsdp leaves alone (Options::ignored_modules), as this rank holds them: their
   // values, autograd's gradients of them and Adam's two fp32 moments.

@@ -17,7 +17,6 @@
 // A rank that dies before COMMIT leaves only a .tmp folder: the previous checkpoints are untouched.
 #include "fsdp/checkpoint.h"
 
-
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -36,6 +35,7 @@
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/file_system.h"
+#include "checkpoint/ignored_state.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/optimizer_state.h"
 #include "comm/mesh_state.h"
@@ -138,11 +138,7 @@ void agree(const GroupPtr& group, const std::string& mine, const std::string& wh
 // tests/python/optimizer_interop.py), else this optimizer's own.
 nlohmann::json dcp_optimizer_json(detail::ShardedRoot& root, torch::optim::Optimizer& optimizer, const DcpFolder& dcp) {
   auto adapter = OptimizerStateAdapter::for_optimizer(optimizer);
-  std::map<const c10::TensorImpl*, std::string> name_of;
-  for (const auto& unit : root.unit_list()) {
-    const FlatParamHandle& h = unit->handle();
-    for (size_t i = 0; i < h.params().size(); ++i) name_of[h.params()[i].unsafeGetTensorImpl()] = h.layout().entries()[i].fqn;
-  }
+  const std::map<const c10::TensorImpl*, std::string> name_of = saved_parameter_names(root);
   nlohmann::json groups = nlohmann::json::array();
   for (auto& group : optimizer.param_groups()) {
     nlohmann::json names = nlohmann::json::array();
@@ -422,6 +418,7 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
   wait();
   detail::ShardedRoot& root = detail::RootAccess::of(model);
   root.check_checkpointable("saving a checkpoint");
+  check_replicated_agree(root, "saving a checkpoint");
   const StateDictKind kind = impl_->options.kind;
   const MeshInfo& mi = root.comm().mesh();
   if (const TensorParallel* tp = tensor_parallel_of(root)) {
@@ -612,6 +609,7 @@ TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelB
 void export_full(const std::string& path, FullyShardedDataParallelBase& model) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
   root.check_checkpointable("export_full");
+  check_replicated_agree(root, "export_full");
   const RankState rs = collect_rank_state(root, nullptr);
   const std::string tmp = path + ".tmp";
   std::string err = error_of([&] { write_full_model_file(tmp, root, rs); });
@@ -664,6 +662,7 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedDataParallelBase& model, bool rank0_only) {
   detail::ShardedRoot& root = detail::RootAccess::of(model);
   root.check_checkpointable("full_state_dict");
+  check_replicated_agree(root, "full_state_dict");
   const bool keep = !rank0_only || writes_whole(root);
   std::vector<std::pair<std::string, at::Tensor>> out;
   gather_units(
@@ -678,6 +677,7 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedData
         }
       },
       rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
+  append_whole_ignored(root, out, keep, rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
   if (keep) {
     for (const auto& b : root.module().named_buffers(true)) {
       if (b.value().defined()) out.emplace_back(b.key(), b.value().detach().clone());

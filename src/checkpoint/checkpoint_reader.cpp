@@ -1,4 +1,5 @@
 #include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/ignored_state.h"
 #include "checkpoint/tensor_parallel_state.h"
 
 #include <sys/stat.h>
@@ -288,21 +289,28 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
   // safetensors.torch.save_model keeps one name of a tied pair, not necessarily the first).
   std::map<const c10::TensorImpl*, std::vector<std::string>> names_of;
   for (const auto& item : root.module().named_parameters(true)) names_of[item.value().unsafeGetTensorImpl()].push_back(item.key());
+  auto saved_name = [&](const at::Tensor& param, const std::string& first, const std::vector<int64_t>& shape) {
+    std::string live = first;
+    for (const std::string& n : names_of[param.unsafeGetTensorImpl()]) {
+      if (resolve(saved, n)) {
+        live = n;
+        break;
+      }
+    }
+    return check(live, shape);
+  };
   for (const auto& unit : root.unit_list()) {
     const FlatParamHandle& h = unit->handle();
     for (size_t i = 0; i < h.layout().entries().size(); ++i) {
-      const auto& e = h.layout().entries()[i];
-      std::string live = e.fqn;
-      for (const std::string& n : names_of[h.params()[i].unsafeGetTensorImpl()]) {
-        if (resolve(saved, n)) {
-          live = n;
-          break;
-        }
-      }
-      const std::string* name = check(live, whole_shape(h, i));
-      if (!name) continue;
-      reads.push_back({name, shard_slice(*unit, i), h.slices()[i].param_begin, split_placement(h, i)});
+      const std::string* name = saved_name(h.params()[i], h.layout().entries()[i].fqn, whole_shape(h, i));
+      if (name) reads.push_back({name, shard_slice(*unit, i), h.slices()[i].param_begin, split_placement(h, i)});
     }
+  }
+  // Ignored parameters: a row-sharded table's rows this rank holds now (its declaration at this
+  // world size), from the saved whole; a replicated one whole.
+  for (const IgnoredParam& p : ignored_params(root)) {
+    const std::string* name = saved_name(p.param, p.name, p.shape);
+    if (name) reads.push_back({name, p.param.detach(), p.flat_begin, std::nullopt});
   }
   // A tied weight's other names may also be in the file (Python's state_dict lists every name).
   for (const auto& item : root.module().named_parameters(true)) {
@@ -343,11 +351,7 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
     fail(saved.origin, "its optimizer state is " + type + "'s, and this optimizer is " + adapter->name());
   }
   // Groups: the same parameters, by name, in the same groups.
-  std::map<const c10::TensorImpl*, std::string> name_of;
-  for (const auto& unit : root.unit_list()) {
-    const FlatParamHandle& h = unit->handle();
-    for (size_t i = 0; i < h.params().size(); ++i) name_of[h.params()[i].unsafeGetTensorImpl()] = h.layout().entries()[i].fqn;
-  }
+  std::map<const c10::TensorImpl*, std::string> name_of = saved_parameter_names(root);
   for (auto& group : optimizer.param_groups()) {
     std::set<std::string> names;
     for (const auto& p : group.params()) names.insert(name_of.count(p.unsafeGetTensorImpl()) ? name_of[p.unsafeGetTensorImpl()] : "?");
@@ -400,28 +404,31 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
     }
   }
   PieceReader reader(saved, out.files_read);
+  // `param`'s state: elements [begin, begin + param.numel()) of each saved state tensor of `fqn`.
+  auto stage = [&](const std::string& fqn, const at::Tensor& param, int64_t begin,
+                   const std::optional<TensorParallelPlacement>& split) {
+    ParamOptimState st;
+    if (steps.contains(fqn)) {
+      st.present = true;
+      st.step = steps[fqn].get<int64_t>();
+      for (const std::string& key : adapter->tensor_keys()) {
+        const std::string name = "state." + fqn + "." + key;
+        if (!saved.pieces.count(name)) continue;
+        // Read on the CPU (pread), then moved to the parameter's device.
+        at::Tensor t = at::empty({param.numel()}, param.options().device(c10::kCPU));
+        read_into(reader, name, split, begin, t);
+        st.tensors[key] = t.view(param.sizes()).to(param.device());
+      }
+    }
+    out.optimizer_states.emplace_back(param, std::move(st));
+  };
   for (const auto& unit : root.unit_list()) {
     const FlatParamHandle& h = unit->handle();
     for (size_t i = 0; i < h.params().size(); ++i) {
-      const std::string& fqn = h.layout().entries()[i].fqn;
-      const at::Tensor& param = h.params()[i];
-      ParamOptimState st;
-      if (steps.contains(fqn)) {
-        st.present = true;
-        st.step = steps[fqn].get<int64_t>();
-        const ShardSlice& sl = h.slices()[i];
-        for (const std::string& key : adapter->tensor_keys()) {
-          const std::string name = "state." + fqn + "." + key;
-          if (!saved.pieces.count(name)) continue;
-          // Read on the CPU (pread), then moved to the parameter's device.
-          at::Tensor t = at::empty({sl.length}, param.options().device(c10::kCPU));
-          read_into(reader, name, split_placement(h, i), sl.param_begin, t);
-          st.tensors[key] = t.view(param.sizes()).to(param.device());
-        }
-      }
-      out.optimizer_states.emplace_back(param, std::move(st));
+      stage(h.layout().entries()[i].fqn, h.params()[i], h.slices()[i].param_begin, split_placement(h, i));
     }
   }
+  for (const IgnoredParam& p : ignored_params(root)) stage(p.name, p.param, p.flat_begin, std::nullopt);
 }
 
 void verify_files(const std::string& folder, const nlohmann::json& manifest, int rank, int world_size,

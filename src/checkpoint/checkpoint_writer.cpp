@@ -1,4 +1,5 @@
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/ignored_state.h"
 #include "checkpoint/tensor_parallel_state.h"
 
 #include <csignal>
@@ -71,20 +72,20 @@ void maybe_killed_for_test(int rank) {
 WrittenPart write_rank_files(const std::string& folder, const RankState& state, StateDictKind kind, int rank,
                              int world_size, bool writes) {
   WrittenPart part = empty_part();
-  if (!writes) return part;
   bool first = true;
   for (const std::string sub : {"model", "optim"}) {
     // parts[j]: the j-th box of every piece (each key once per file, as readers require).
     std::vector<std::vector<PendingTensor>> parts(1);
     std::vector<nlohmann::json> sharding(1, nlohmann::json::object());
     std::map<int, std::vector<PendingTensor>> flat_units;  // LOCAL: one tensor per unit shard
+    // `writes` false (a SHARDED save's other replicas): this rank writes only its own rows.
+    auto written_here = [&](const StatePiece& p) { return p.local.numel() > 0 && (writes || p.own_rows); };
     for (const StatePiece& p : state.pieces) {
-      if (p.folder != sub) continue;
-      const bool buffer = p.unit < 0;
+      if (p.folder != sub || !written_here(p)) continue;
+      const bool buffer = p.unit < 0 && !p.own_rows;  // whole on every rank: rank 0 writes it
       if (buffer && rank != 0) continue;
       const int64_t n = p.local.numel();
-      if (n == 0) continue;
-      if (kind == StateDictKind::LOCAL && !buffer && sub == "model") continue;  // whole shards below
+      if (kind == StateDictKind::LOCAL && p.unit >= 0 && sub == "model") continue;  // whole shards below
       if (kind == StateDictKind::LOCAL || buffer) {
         PendingTensor t;
         t.entry.name = p.key;
@@ -121,7 +122,7 @@ WrittenPart write_rank_files(const std::string& folder, const RankState& state, 
       // every rank that holds state of the parameter (copies of one scalar; readers take any).
       std::set<std::string> params;
       for (const StatePiece& p : state.pieces) {
-        if (p.folder == "optim" && p.local.numel() > 0) params.insert(p.param);
+        if (p.folder == "optim" && written_here(p)) params.insert(p.param);
       }
       for (const std::string& param : params) {
         if (!state.optimizer->steps.contains(param)) continue;
@@ -134,7 +135,7 @@ WrittenPart write_rank_files(const std::string& folder, const RankState& state, 
         parts[0].push_back(std::move(t));
       }
     }
-    if (kind == StateDictKind::LOCAL && sub == "model") {
+    if (kind == StateDictKind::LOCAL && sub == "model" && writes) {
       // The raw flat shard of every unit, padding included; each parameter's piece points into it.
       for (size_t u = 0; u < state.unit_shards.size(); ++u) {
         PendingTensor t;
@@ -212,9 +213,15 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
       entries.push_back({h.layout().entries()[i].fqn, h.dtypes().master, whole_shape(h, i)});
     }
   }
+  // Row-sharded ignored parameters are put together from the ranks' rows; the rest outside the
+  // units (buffers, replicated ignored parameters) is rank 0's own.
+  const std::vector<IgnoredParam> ignored = ignored_params(root);
+  for (const IgnoredParam& p : ignored) {
+    if (p.table) entries.push_back({p.name, p.param.scalar_type(), p.shape});
+  }
   std::vector<const StatePiece*> buffers;
   for (const StatePiece& p : state.pieces) {
-    if (p.unit < 0) {
+    if (p.unit < 0 && !p.own_rows && p.folder == "model") {
       entries.push_back({p.key, p.dtype, p.shape});
       buffers.push_back(&p);
     }
@@ -243,6 +250,16 @@ void write_gathered_model(const std::string& path, const std::string& rel, detai
         }
       },
       GatherTo::TO_RANK0);
+  for (const IgnoredParam& p : ignored) {
+    if (!p.table) continue;
+    const at::Tensor whole = whole_ignored(root, p, p.param, GatherTo::TO_RANK0);  // collective
+    out.attempt([&] {
+      w->write_next(whole);
+      nlohmann::json piece = piece_json(p.name, 0, whole.numel(), 0);
+      piece["file"] = rel;
+      part["pieces"][p.name].push_back(piece);
+    });
+  }
   out.attempt([&] {
     for (const StatePiece* b : buffers) {
       w->write_next(b->local);
@@ -296,6 +313,12 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
       }
     }
   }
+  const std::vector<IgnoredParam> ignored = ignored_params(root);
+  for (const std::string& key : keys) {
+    for (const IgnoredParam& p : ignored) {
+      if (has[key].count(p.name)) entries.push_back({"state." + p.name + "." + key, p.param.scalar_type(), p.shape});
+    }
+  }
   const std::string rel = "optim/optim.safetensors";
   std::unique_ptr<SafetensorsWriter> w;
   out.attempt([&] {
@@ -324,6 +347,21 @@ WrittenPart write_full_files(const std::string& folder, detail::ShardedRoot& roo
           }
         },
         GatherTo::TO_RANK0);
+  }
+  for (const std::string& key : keys) {
+    for (const IgnoredParam& p : ignored) {
+      if (!has[key].count(p.name)) continue;
+      const std::string name = "state." + p.name + "." + key;
+      auto it = local.find(name);  // absent: a rank whose rows have no state yet sends zeros
+      const at::Tensor mine = it == local.end() ? at::Tensor() : it->second.view(p.param.sizes());
+      const at::Tensor whole = whole_ignored(root, p, mine, GatherTo::TO_RANK0);  // collective
+      out.attempt([&] {
+        w->write_next(whole);
+        nlohmann::json piece = piece_json(name, 0, whole.numel(), 0);
+        piece["file"] = rel;
+        part["pieces"][name].push_back(piece);
+      });
+    }
   }
   out.attempt([&] {
     const uint32_t crc = w->finish();

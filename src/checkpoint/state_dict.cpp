@@ -3,6 +3,7 @@
 #include <map>
 #include <set>
 
+#include "checkpoint/ignored_state.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/tensor_parallel_state.h"
 
@@ -17,6 +18,28 @@ RankState collect_rank_state(detail::ShardedRoot& root, torch::optim::Optimizer*
   }
   std::map<const c10::TensorImpl*, std::string> name_of;
   std::vector<StatePiece> optim_pieces;
+  // A parameter's piece, and its optimizer state placed the same way.
+  auto add = [&](const StatePiece& p, const at::Tensor& param) {
+    out.pieces.push_back(p);
+    name_of[param.unsafeGetTensorImpl()] = p.key;
+    if (!adapter) return;
+    const ParamOptimState st = adapter->get(*optimizer, param);
+    if (!st.present) return;
+    out.optimizer->steps[p.key] = st.step;
+    for (const auto& [key, t] : st.tensors) {
+      TORCH_CHECK(t.numel() == p.local.numel(), "fsdp: the optimizer's ", key, " of ", p.key, " has ", t.numel(),
+                  " elements where its parameter has ", p.local.numel(), " on this rank; was the optimizer built before "
+                  "the model was wrapped? Build it after, from the wrapper's parameters().");
+      StatePiece o = p;
+      o.key = "state." + p.key + "." + key;
+      o.folder = "optim";
+      o.param = p.key;
+      o.state_key = key;
+      o.dtype = t.scalar_type();
+      o.local = t.detach().reshape({-1});
+      optim_pieces.push_back(std::move(o));
+    }
+  };
   for (const auto& unit : root.unit_list()) {
     const FlatParamHandle& h = unit->handle();
     const auto& entries = h.layout().entries();
@@ -32,27 +55,19 @@ RankState collect_rank_state(detail::ShardedRoot& root, torch::optim::Optimizer*
       p.local = shard_slice(*unit, i);
       p.unit = unit->index();
       p.shard_offset = s.shard_offset;
-      out.pieces.push_back(p);
-      const at::Tensor& param = h.params()[i];
-      name_of[param.unsafeGetTensorImpl()] = entries[i].fqn;
-      if (!adapter) continue;
-      const ParamOptimState st = adapter->get(*optimizer, param);
-      if (!st.present) continue;
-      out.optimizer->steps[entries[i].fqn] = st.step;
-      for (const auto& [key, t] : st.tensors) {
-        TORCH_CHECK(t.numel() == s.length, "fsdp: the optimizer's ", key, " of ", entries[i].fqn, " has ", t.numel(),
-                    " elements where its parameter has ", s.length, " on this rank; was the optimizer built before "
-                    "the model was wrapped? Build it after, from the wrapper's parameters().");
-        StatePiece o = p;
-        o.key = "state." + entries[i].fqn + "." + key;
-        o.folder = "optim";
-        o.param = entries[i].fqn;
-        o.state_key = key;
-        o.dtype = t.scalar_type();
-        o.local = t.detach().reshape({-1});
-        optim_pieces.push_back(std::move(o));
-      }
+      add(p, h.params()[i]);
     }
+  }
+  for (const IgnoredParam& ig : ignored_params(root)) {
+    StatePiece p;
+    p.key = ig.name;
+    p.folder = "model";
+    p.shape = ig.shape;
+    p.dtype = ig.param.scalar_type();
+    p.flat_begin = ig.flat_begin;
+    p.local = ig.param.detach().reshape({-1});
+    p.own_rows = ig.table != nullptr;
+    add(p, ig.param);
   }
   for (const auto& b : root.module().named_buffers(true)) {
     if (!b.value().defined()) continue;
@@ -95,6 +110,11 @@ nlohmann::json describe_model_state(detail::ShardedRoot& root) {
     }
     units.push_back({{"name", unit->name()}, {"params", names}, {"numel", h.layout().numel()},
                      {"padded_numel", h.layout().padded_numel()}, {"shard_numel", h.layout().shard_numel()}});
+  }
+  for (const IgnoredParam& ig : ignored_params(root)) {
+    params[ig.name] = {{"shape", ig.shape}, {"dtype", safetensors_dtype(ig.param.scalar_type())}, {"unit", -1},
+                       {"aliases", nlohmann::json::array()}, {"ignored", ig.table ? "row_sharded" : "replicated"}};
+    first[ig.param.unsafeGetTensorImpl()] = ig.name;
   }
   // A tied weight appears once under its first name; its other names are aliases.
   for (const auto& item : root.module().named_parameters(true)) {

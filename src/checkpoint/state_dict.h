@@ -32,8 +32,12 @@ struct StatePiece {
   c10::ScalarType dtype = c10::kFloat;
   int64_t flat_begin = 0;      // first element held, in the flattened whole tensor
   at::Tensor local;            // 1-D, contiguous: the elements [flat_begin, flat_begin + numel)
-  int unit = -1;               // the unit whose shard holds it (-1: a buffer)
+  int unit = -1;               // the unit whose shard holds it (-1: outside the units)
   int64_t shard_offset = 0;    // where `local` starts in its unit's flat shard
+  // Outside the units (unit -1), a tensor is whole on every rank (a buffer, a replicated ignored
+  // parameter: rank 0 writes it), or this rank's own rows of a row-sharded ignored parameter
+  // (ignored_state.h: every rank writes its rows, whatever its replica).
+  bool own_rows = false;
 };
 
 // The optimizer's part of a rank's state: per parameter (first name), whether it has state and
@@ -45,16 +49,19 @@ struct OptimizerMeta {
 };
 
 struct RankState {
-  std::vector<StatePiece> pieces;    // model pieces first (unit order), then buffers, then optimizer
+  std::vector<StatePiece> pieces;    // model pieces first (unit order, then ignored parameters),
+                                     // then buffers, then optimizer
   std::optional<OptimizerMeta> optimizer;
   std::vector<at::Tensor> unit_shards;  // each unit's flat shard, padding included (LOCAL saves)
 };
 
-// This rank's pieces: views of its shards and of the optimizer's tensors, no copies. Buffers are
-// listed on every rank (each holds them whole). `optimizer` may be null.
+// This rank's pieces: views of its shards, of the ignored parameters it holds and of the
+// optimizer's tensors, no copies. Buffers and replicated ignored parameters are listed on every
+// rank (each holds them whole). `optimizer` may be null.
 RankState collect_rank_state(detail::ShardedRoot& root, torch::optim::Optimizer* optimizer);
 
-// The model's description for a manifest: {"params": {name: {shape, dtype, unit, aliases}},
+// The model's description for a manifest: {"params": {name: {shape, dtype, unit, aliases}} (an
+// ignored parameter: unit -1, its whole shape, and "ignored": "row_sharded" or "replicated"),
 // "buffers": {name: {shape, dtype}}, "units": [{name, params, numel, padded_numel, shard_numel}]}.
 nlohmann::json describe_model_state(detail::ShardedRoot& root);
 

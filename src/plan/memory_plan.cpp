@@ -27,10 +27,12 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     check_unit_names_for_hpz(options, names);
   }
   IgnoredSet counted;  // a tied parameter once
+  int64_t ignored_saved = 0;  // what a checkpoint holds of them: their values and Adam moments
   for (const auto& p : model.parameters(true)) {
     if (!ignored.count(p.unsafeGetTensorImpl()) || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
     const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
     plan.ignored_state += bytes + (p.requires_grad() ? bytes + 2 * p.numel() * 4 : 0);
+    ignored_saved += bytes + (p.requires_grad() ? 2 * p.numel() * 4 : 0);
   }
   std::vector<int64_t> nonroot_bytes;
   // What a gather in flight holds besides the unit's buffer: Gloo's staging copy of its output, or
@@ -115,7 +117,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   }
   plan.activations = options.memory_budget.activation_bytes;
   plan.head_activations = std::min(options.memory_budget.head_activation_bytes, plan.activations);
-  if (options.memory_budget.async_checkpoint) plan.checkpoint_copy = plan.sharded_params + plan.adam_state;
+  if (options.memory_budget.async_checkpoint) plan.checkpoint_copy = plan.sharded_params + plan.adam_state + ignored_saved;
   plan.backward_units = std::max<int>(1, static_cast<int>(nonroot_bytes.size()));
   plan.unit_grads = largest_compute_bytes;
   plan.reduce_buffer = largest_reduce_bytes;

@@ -40,6 +40,9 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   const std::string desc = describe_model(*module_, plans, options_, F, ignored_);
   MeshState::of(*mesh_).check_same_on_all_ranks("the model structure (parameter names, shapes, dtypes) or the FSDP options",
                                                 fingerprint(desc), desc);
+  // Which ignored parameters are rows of a table, checked across the ranks before anything waits
+  // on them: every rank refuses a wrong declaration alike.
+  row_sharded_ = resolve_row_sharded(*module_, options_, ignored_, MeshState::of(*mesh_));
 
   // Where the shards will live: the parameters' device, the CPU for a deferred (meta) model, or
   // init_device. Its type picks the backend: Gloo for CPU, NCCL for CUDA.
@@ -220,13 +223,6 @@ void ShardedRoot::summon(bool rank0_only, bool writeback) {
 
 void ShardedRoot::check_checkpointable(const char* what) {
   runtime_->check_not_failed();
-  if (has_ignored()) {
-    throw std::invalid_argument(std::string("fsdp: ") + what + ": the model has parameters fsdp ignores "
-                                "(Options::ignored_modules / ignored_parameters); fsdp's checkpoints hold only what it "
-                                "shards, so a checkpoint of this model would silently lose them: refused. Not yet "
-                                "supported; for now save this model's state with your own code (each rank its own "
-                                "rows of an ignored table).");
-  }
   TORCH_CHECK(!summoned_, "fsdp: ", what, " cannot run inside a summon_full_params scope; end it first");
   TORCH_CHECK(runtime_->at_rest(), "fsdp: ", what, " must be called outside forward and backward, not between a "
                                    "forward and its backward");

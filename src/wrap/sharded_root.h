@@ -15,6 +15,7 @@
 #include "engine/runtime.h"
 #include "engine/unit.h"
 #include "engine/unit_decomposition.h"
+#include "wrap/row_sharded.h"
 
 namespace fsdp::detail {
 
@@ -47,11 +48,12 @@ class ShardedRoot {
   torch::nn::Module& module() { return *module_; }
   Mesh& mesh() { return *mesh_; }
   // Throws, naming `what`, unless the model can be saved or loaded now: every unit at rest
-  // (outside forward and backward, no summon scope) and no ignored parameters (Options::
-  // ignored_modules: checkpoints hold only what fsdp shards, and would silently lose them).
+  // (outside forward and backward, no summon scope).
   void check_checkpointable(const char* what);
-  // Parameters in no unit (Options::ignored_modules / ignored_parameters).
-  bool has_ignored() const { return !ignored_.empty(); }
+  // Parameters in no unit (Options::ignored_modules / ignored_parameters), and which of them hold
+  // their rank's rows of a table (Options::row_sharded_parameters, checked across the ranks).
+  const IgnoredSet& ignored() const { return ignored_; }
+  const std::vector<RowShardedTable>& row_sharded() const { return row_sharded_; }
 
  private:
   void check_tensor_parallel();
@@ -63,6 +65,7 @@ class ShardedRoot {
   std::shared_ptr<Mesh> mesh_;
   Options options_;
   IgnoredSet ignored_;
+  std::vector<RowShardedTable> row_sharded_;
   c10::Device device_{c10::kCPU};
   std::unique_ptr<CommContext> comm_;
   std::vector<std::unique_ptr<Unit>> units_;

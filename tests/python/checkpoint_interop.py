@@ -4,7 +4,9 @@
               port of bench/vs_pytorch.py (load_state_dict) and print its loss on one exported batch
   dcp-load    load a SHARDED checkpoint's folders with torch.distributed.checkpoint's Hugging Face
               reader into plain shaped tensors (one process: another world size than the save's) and
-              compare them bitwise with a FULL checkpoint's files of the same step
+              compare them bitwise with a FULL checkpoint's files of the same step (and, with
+              --export, the model with an export_full file of it); --table NAME lists the pieces
+              the rank files hold of NAME (file, saved_offsets, shape)
   save        write a freshly initialized GPT port's weights as safetensors, as torch.save of a
               dict, and as torch.save of model.state_dict() (an OrderedDict)
   compare     compare two safetensors model files bitwise, name by name (aliases resolved)
@@ -53,7 +55,7 @@ def dcp_load(args):
     with open(os.path.join(args.sharded, "manifest.json")) as f:
         manifest = json.load(f)
     params = manifest["model"]["params"]
-    checked, differ = 0, []
+    checked, differ, keys = 0, [], []
     for folder, full_file in (("model", "model/model.safetensors"), ("optim", "optim/optim.safetensors")):
         full = load_file(os.path.join(args.full, full_file))
         # Plain tensors of the whole shapes, which the reader fills from the rank files' pieces.
@@ -61,11 +63,25 @@ def dcp_load(args):
         for key in full:
             sd[key] = torch.empty_like(full[key]).fill_(float("nan"))
         dcp.load(sd, storage_reader=HuggingFaceStorageReader(path=os.path.join(args.sharded, folder)), no_dist=True)
+        exported = load_file(args.export) if args.export and folder == "model" else {}
         for key, t in sd.items():
             checked += 1
+            keys.append(key)
             if not torch.equal(t, full[key]):
                 differ.append(key)
-    print(json.dumps({"checked": checked, "differ": differ, "params": len(params)}))
+            if exported and not torch.equal(t, exported[key]):
+                differ.append(key + " (against " + args.export + ")")
+    pieces = []
+    if args.table:
+        from safetensors import safe_open
+        folder = os.path.join(args.sharded, "model")
+        for name in sorted(os.listdir(folder)):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                info = json.loads((f.metadata() or {}).get("DCP_SHARDING_INFO", "{}"))
+                if args.table in f.keys():
+                    shape = list(f.get_slice(args.table).get_shape())
+                    pieces.append({"file": name, "saved_offsets": info[args.table]["saved_offsets"], "shape": shape})
+    print(json.dumps({"checked": checked, "differ": differ, "params": len(params), "keys": keys, "pieces": pieces}))
 
 
 def save(args):
@@ -100,6 +116,8 @@ def main():
     s = sub.add_parser("dcp-load")
     s.add_argument("--sharded", required=True, help="a SHARDED checkpoint folder (step-N)")
     s.add_argument("--full", required=True, help="a FULL checkpoint folder of the same state")
+    s.add_argument("--export", help="an export_full file of the same state")
+    s.add_argument("--table", help="a tensor whose pieces in the rank files to list")
     s = sub.add_parser("save")
     s.add_argument("--export-dir", required=True)
     s.add_argument("--seed", type=int, default=7)

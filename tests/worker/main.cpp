@@ -17,7 +17,8 @@ const std::map<std::string, Mode>& modes() {
       {"fuzz", run_fuzz},           {"fault", run_fault},           {"misuse", run_misuse},
       {"summon", run_summon},       {"checkpoint", run_checkpoint},
       {"recompute", run_recompute}, {"holes", run_holes},
-      {"checkpoint_hostile", run_checkpoint_hostile}, {"wire", run_wire},
+      {"checkpoint_hostile", run_checkpoint_hostile}, {"checkpoint_ignored", run_checkpoint_ignored},
+      {"wire", run_wire},
       {"tensor_parallel", run_tensor_parallel},
   };
   return table;

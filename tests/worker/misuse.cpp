@@ -111,7 +111,17 @@ json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     const auto& g = model->pos_emb->weight.grad();
     out["ignored_grad_whole"] = g.defined() && g.sizes() == model->pos_emb->weight.sizes();
     out["ignored_listed"] = static_cast<int>(sharded.parameters().size());
+    // Not declared row-sharded, so replicated: a state dict holds rank 0's copy only, and refuses
+    // while the ranks' copies differ. Made equal, it is saved whole.
     out["ignored_checkpoint"] = error_of([&] { fsdp::full_state_dict(sharded); });
+    {
+      torch::NoGradGuard no_grad;
+      model->pos_emb->weight.fill_(0.5);
+    }
+    out["ignored_replicated_saved"] = false;
+    for (const auto& [name, t] : fsdp::full_state_dict(sharded, /*rank0_only=*/false)) {
+      if (name == "pos_emb.weight") out["ignored_replicated_saved"] = t.eq(0.5).all().item<bool>();
+    }
   }
   {  // tensor parallelism (fsdp/tensor_parallel.h): a plan and a wrapper that cannot agree
     auto tp = fsdp::TensorParallel::create(mesh, mesh->world_size());  // TP over every rank, DP 1

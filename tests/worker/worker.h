@@ -5,7 +5,7 @@
 //
 // Each mode is one file here, registered in main.cpp's table (as nccl-tests puts each collective
 // behind one struct): parity, accounting, structure, overlap, dynamic, precision, scaler, sync,
-// deferred, fuzz, fault, misuse, summon, checkpoint, recompute, holes, wire, tensor_parallel. Their flags and what they write are described at the top of each file.
+// deferred, fuzz, fault, misuse, summon, checkpoint, checkpoint_ignored, recompute, holes, wire, tensor_parallel. Their flags and what they write are described at the top of each file.
 // --device cuda runs parity on this rank's GPU (the GPU script's CUDA check; default cpu).
 // Prefetch flags (any mode that shards): --backward-prefetch none|backward_pre|backward_post,
 // --forward-prefetch 0|1, --prefetch-count N, --limit-all-gathers K.
@@ -139,6 +139,7 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_summon(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_checkpoint(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_checkpoint_ignored(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_recompute(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_holes(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_wire(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
