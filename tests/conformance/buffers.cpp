@@ -11,7 +11,11 @@
 // oracle runs each rank's rows through the local model apart, and the running statistics of rank r
 // are those of a local model that saw only rank r's rows (RankBuffers below keeps one set of
 // buffers per rank and swaps it in for that rank's rows).
-#include <filesystem>
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
 
 #include "conformance.h"
 
@@ -468,11 +472,19 @@ CONFORMANCE_CASE(Buffers, IgnoredModuleKeepsItsDtypeUnderMixedPrecision, 4,
 }
 
 namespace {
-// A folder every rank of this job names alike (the job's rendezvous port is its own).
+// A folder every rank of this job names alike (the job's rendezvous port is its own). POSIX
+// calls, not std::filesystem: libtorch.so exports std::filesystem symbols of its own, which this
+// program may bind to (remove_all crashed there).
 std::string job_dir(const Ctx& c, const std::string& what) {
-  return (std::filesystem::temp_directory_path() /
-          ("fsdp-conformance-" + what + "-" + std::to_string(c.mesh->env().master_port)))
-      .string();
+  const char* tmp = std::getenv("TMPDIR");
+  return std::string(tmp && *tmp ? tmp : "/tmp") + "/fsdp-conformance-" + what + "-" +
+         std::to_string(c.mesh->env().master_port);
+}
+
+void remove_tree(const std::string& dir) {
+  ::nftw(
+      dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
+      FTW_DEPTH | FTW_PHYS);
 }
 
 void barrier(const Ctx& c) {
@@ -490,44 +502,66 @@ torch::Tensor rank0s(const Ctx& c, const torch::Tensor& t) {
 }
 }  // namespace
 
+// Buffers that differ across ranks (each rank's BatchNorm statistics and running centering are its
+// own rows') cannot come back from a checkpoint, which holds one value of each: the save is
+// refused by name, and nothing is written. Made equal by the user (averaged over the ranks), they
+// are saved and restored bitwise by every kind, the parameters and the optimizer's momentum too:
+// the run goes on bit for bit as if it had not stopped.
 CONFORMANCE_CASE(Buffers, CheckpointsRestoreBuffersBitwise, 4,
                  "#53: FSDP1 test_fsdp_state_dict test_buffers_save_and_load_state_dict") {
   const std::string root = job_dir(c, "buffers");
-  std::filesystem::create_directories(root);
+  ::mkdir(root.c_str(), 0755);
+  // Every kind under full_shard; a hybrid strategy's LOCAL checkpoint (every rank writes its own
+  // files, replicas alike) and a bf16 one's SHARDED (buffers held in bf16).
   std::vector<Variant> variants{strategy(c, "full_shard"), strategy(c, "hybrid_shard")};
   variants.push_back(every_strategy(c, true)[5]);  // full_shard F=4 bf16
   int index = 0;
   for_each(c, variants, [&](const Variant& v) {
-    for (const auto kind : {fsdp::StateDictKind::FULL, fsdp::StateDictKind::SHARDED, fsdp::StateDictKind::LOCAL}) {
+    std::vector<fsdp::StateDictKind> kinds{fsdp::StateDictKind::FULL, fsdp::StateDictKind::SHARDED,
+                                           fsdp::StateDictKind::LOCAL};
+    if (v.options.strategy == fsdp::ShardingStrategy::HYBRID_SHARD) kinds = {fsdp::StateDictKind::LOCAL};
+    if (v.mixed_precision()) kinds = {fsdp::StateDictKind::SHARDED};
+    fsdp::Options o = v.options;
+    o.auto_wrap_policy = buffer_net_units();
+    const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+    auto step = [&](auto& model, torch::optim::SGD& optim, int s) {
+      const auto x = randn(1700 + s, {16, 3, 4, 4});
+      const auto y = randint(1800 + s, 3, {16});
+      optim.zero_grad();
+      auto loss = torch::cross_entropy_loss(model(my_rows(c, x)).to(torch::kFloat), my_rows(c, y));
+      loss.backward();
+      optim.step();
+      return global_mean(c, loss.item().toDouble());
+    };
+    for (const auto kind : kinds) {
       const std::string what = " (" + fsdp::to_string(kind) + ")";
       const std::string dir = root + "/" + std::to_string(index++);
-      fsdp::Options o = v.options;
-      o.auto_wrap_policy = buffer_net_units();
-      const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
       torch::manual_seed(15);
       BufferNet a_net;
       fsdp::FullyShardedDataParallel a(a_net, c.mesh, o);
       torch::optim::SGD a_optim(a.parameters(), sgd);
-      auto step = [&](auto& model, torch::optim::SGD& optim, int s) {
-        const auto x = randn(1700 + s, {16, 3, 4, 4});
-        const auto y = randint(1800 + s, 3, {16});
-        optim.zero_grad();
-        auto loss = torch::cross_entropy_loss(model(my_rows(c, x)).to(torch::kFloat), my_rows(c, y));
-        loss.backward();
-        optim.step();
-        return loss.item().toDouble();
-      };
       for (int s = 0; s < 3; ++s) step(a, a_optim, s);
-      std::string saved;
+      fsdp::Checkpointer ckpt(c.mesh, dir, {kind, 0});
+      c.expect_refused("saving a model whose ranks' buffers differ" + what, [&] { ckpt.save(a, &a_optim, {3}); },
+                       {"saving a checkpoint", "'stem.bn.running_mean'", "'center.mean'", "differ across ranks",
+                        "Make them equal on every rank before saving"});
+      c.expect(!ckpt.latest().has_value(), "a refused save wrote no checkpoint" + what);
+      // What the message says to do: average the floating-point buffers over the ranks (the
+      // counters are equal already).
       {
-        fsdp::Checkpointer ckpt(c.mesh, dir, {kind, 0});
-        saved = ckpt.save(a, &a_optim, {3});
+        torch::NoGradGuard no_grad;
+        for (auto& b : a_net->buffers(true)) {
+          if (!at::isFloatingType(b.scalar_type())) continue;
+          std::vector<at::Tensor> t{b};
+          c.mesh->world()->allreduce(t)->wait();
+          b.div_(c.world);
+        }
       }
-      // What the checkpoint holds: the whole parameters, and rank 0's buffers (buffers are whole on
-      // every rank; each rank's BatchNorm statistics are its own rows', and rank 0's are saved).
+      std::string saved;
+      c.expect_ok("saving once the buffers agree" + what, [&] { saved = ckpt.save(a, &a_optim, {3}); });
+      if (saved.empty()) return;
       const auto a_params = whole_state(a, *a_net, false);
-      std::map<std::string, torch::Tensor> rank0_buffers;
-      for (const auto& b : a_net->named_buffers(true)) rank0_buffers[b.key()] = rank0s(c, b.value());
+      const auto a_buffers = state_of(*a_net, true);
 
       // Another model, other weights, every buffer zero.
       torch::manual_seed(16);
@@ -541,24 +575,22 @@ CONFORMANCE_CASE(Buffers, CheckpointsRestoreBuffersBitwise, 4,
         expect_same_tensor(c, name + what, t, a_params.at(name), 0.0);
       }
       for (const auto& bb : b_net->named_buffers(true)) {
-        expect_same_tensor(c, "buffer " + bb.key() + what, bb.value(), rank0_buffers.at(bb.key()), 0.0);
+        expect_same_tensor(c, "buffer " + bb.key() + what, bb.value(), a_buffers.at(bb.key()), 0.0);
       }
-      // Training goes on alike (the optimizer's momentum was restored too; BatchNorm in training
-      // normalizes with the batch's statistics).
+      // Training goes on alike, bit for bit (the optimizer's momentum was restored too).
       for (int s = 3; s < 5; ++s) {
         const double la = step(a, a_optim, s), lb = step(b, b_optim, s);
         c.expect(la == lb, "the loss after loading differs at step " + std::to_string(s) + what + ": " +
                                std::to_string(lb) + ", " + std::to_string(la) + " without the checkpoint");
       }
-      const auto a_after = whole_state(a, *a_net, false);
-      for (const auto& [name, t] : whole_state(b, *b_net, false)) {
+      const auto a_after = whole_state(a, *a_net, true);
+      for (const auto& [name, t] : whole_state(b, *b_net, true)) {
         expect_same_tensor(c, name + " after two more steps" + what, t, a_after.at(name), 0.0);
       }
-      barrier(c);
     }
   });
   barrier(c);
-  if (c.rank == 0) std::filesystem::remove_all(root);
+  if (c.rank == 0) remove_tree(root);
 }
 
 }  // namespace conformance
