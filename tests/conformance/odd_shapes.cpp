@@ -45,8 +45,13 @@ TORCH_MODULE(OddNet);
 fsdp::WrapPolicy odd_units() { return fsdp::module_type_policy<WideImpl, GainImpl>(); }
 
 // `steps` SGD-with-momentum steps under fsdp and locally; losses every step and the whole
-// parameters at the end within `tol`. Returns fsdp's losses, to compare runs with each other.
-std::vector<double> odd_parity(Ctx& c, const Variant& v, double tol, int steps = 4) {
+// parameters at the end within `tol`. Returns fsdp's losses and the first step's all-gathered
+// bytes, to compare runs with each other.
+struct Run {
+  std::vector<double> losses;
+  int64_t all_gather_bytes = 0;
+};
+Run odd_parity(Ctx& c, const Variant& v, double tol, int steps = 4) {
   torch::manual_seed(41);
   OddNet mine;
   torch::manual_seed(41);
@@ -57,9 +62,11 @@ std::vector<double> odd_parity(Ctx& c, const Variant& v, double tol, int steps =
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
   torch::optim::SGD optim(model.parameters(), sgd);
   torch::optim::SGD local_optim(unique_parameters(*local), sgd);
-  std::vector<double> losses;
+  Run run;
+  auto& losses = run.losses;
   for (int step = 0; step < steps; ++step) {
     const auto x = randn(3000 + step, {8, 257}), y = randint(3100 + step, 3, {8});
+    model.reset_step();
     optim.zero_grad();
     auto loss = torch::cross_entropy_loss(model(my_rows(c, x)).to(torch::kFloat), my_rows(c, y));
     loss.backward();
@@ -68,6 +75,7 @@ std::vector<double> odd_parity(Ctx& c, const Variant& v, double tol, int steps =
     auto local_loss = torch::cross_entropy_loss(local->forward(x), y);
     local_loss.backward();
     local_optim.step();
+    if (step == 0) run.all_gather_bytes = model.metrics().comm.all_gather;
     losses.push_back(global_mean(c, loss.item().toDouble()));
     c.expect_near("loss at step " + std::to_string(step), losses.back(), local_loss.item().toDouble(), tol);
   }
@@ -83,7 +91,7 @@ std::vector<double> odd_parity(Ctx& c, const Variant& v, double tol, int steps =
   const int64_t replicas = c.world / model.shard_size();
   c.expect(t[0].item().toLong() == whole * replicas, "the ranks' shards hold " + std::to_string(t[0].item().toLong()) +
                                                          " elements, not " + std::to_string(whole * replicas));
-  return losses;
+  return run;
 }
 
 }  // namespace
@@ -106,7 +114,7 @@ CONFORMANCE_CASE(OddShapes, HpZWithUnitsSmallerThanTheSecondaryGroup, 4,
                  "test_zero_hpz_secondary_shard_padding_is_zeroed") {
   for (const bool bf16 : {false, true}) {
     auto plain = every_strategy(c, bf16)[bf16 ? 5 : 0];  // full_shard F=4
-    std::vector<double> without;
+    Run without;
     for_each(c, {plain}, [&](const Variant& v) { without = odd_parity(c, v, bf16 ? 3e-2 : 1e-5); });
     Variant hpz = plain, per_unit = plain;
     hpz.options.reshard_after_forward_to = 2;
@@ -115,10 +123,15 @@ CONFORMANCE_CASE(OddShapes, HpZWithUnitsSmallerThanTheSecondaryGroup, 4,
     per_unit.name += " gain=2 wide=0";
     for_each(c, {hpz, per_unit}, [&](const Variant& v) {
       const auto with = odd_parity(c, v, bf16 ? 3e-2 : 1e-5);
-      for (size_t s = 0; s < with.size() && s < without.size(); ++s) {
-        c.expect(with[s] == without[s], "the loss at step " + std::to_string(s) + " differs from full_shard's (" +
-                                            std::to_string(with[s]) + ", " + std::to_string(without[s]) + ")");
+      for (size_t s = 0; s < with.losses.size() && s < without.losses.size(); ++s) {
+        c.expect(with.losses[s] == without.losses[s], "the loss at step " + std::to_string(s) +
+                                                          " differs from full_shard's (" + std::to_string(with.losses[s]) +
+                                                          ", " + std::to_string(without.losses[s]) + ")");
       }
+      // Backward gathered from the secondary shards, within pairs of ranks: fewer bytes.
+      c.expect(with.all_gather_bytes < without.all_gather_bytes,
+               "backward's all-gathers did not use the secondary shards (" + std::to_string(with.all_gather_bytes) +
+                   " bytes gathered, " + std::to_string(without.all_gather_bytes) + " without hpZ)");
     });
   }
 }
