@@ -96,13 +96,14 @@ Run odd_parity(Ctx& c, const Variant& v, double tol, int steps = 4) {
 
 }  // namespace
 
-// fp32: 1e-5. bf16 against the fp32 oracle: a 257-long dot product in bf16 (2^-9 relative per
-// rounding) moves logits by about 1e-2, the loss and 4 steps' parameters by less than 3e-2.
+// fp32: 1e-5. bf16 against the fp32 oracle: a 257-long dot product with bf16 operands (2^-9
+// relative per rounding) moves the logits, the loss and 4 steps' parameters by about 1e-3
+// (measured 6e-4): 5e-3.
 CONFORMANCE_CASE(OddShapes, ParametersOfSizesNoWorldDivides, 4,
                  "#282: FSDP2 test_fully_shard_comm test_all_gather_fp32 test_reduce_scatter_fp32 "
                  "test_reduce_scatter_fp16") {
   for_each(c, every_strategy(c, /*bf16=*/true),
-           [&](const Variant& v) { odd_parity(c, v, v.mixed_precision() ? 3e-2 : 1e-5); });
+           [&](const Variant& v) { odd_parity(c, v, v.mixed_precision() ? 5e-3 : 1e-5); });
 }
 
 // hpZ: after forward each unit stays sharded over groups of 2 ranks (of F = 4) instead of 4; the
@@ -115,14 +116,14 @@ CONFORMANCE_CASE(OddShapes, HpZWithUnitsSmallerThanTheSecondaryGroup, 4,
   for (const bool bf16 : {false, true}) {
     auto plain = every_strategy(c, bf16)[bf16 ? 5 : 0];  // full_shard F=4
     Run without;
-    for_each(c, {plain}, [&](const Variant& v) { without = odd_parity(c, v, bf16 ? 3e-2 : 1e-5); });
+    for_each(c, {plain}, [&](const Variant& v) { without = odd_parity(c, v, bf16 ? 5e-3 : 1e-5); });
     Variant hpz = plain, per_unit = plain;
     hpz.options.reshard_after_forward_to = 2;
     hpz.name += " reshard_after_forward_to=2";
     per_unit.options.reshard_after_forward_to_by_unit = {{"gain", 2}, {"wide", 0}};
     per_unit.name += " gain=2 wide=0";
     for_each(c, {hpz, per_unit}, [&](const Variant& v) {
-      const auto with = odd_parity(c, v, bf16 ? 3e-2 : 1e-5);
+      const auto with = odd_parity(c, v, bf16 ? 5e-3 : 1e-5);
       for (size_t s = 0; s < with.losses.size() && s < without.losses.size(); ++s) {
         c.expect(with.losses[s] == without.losses[s], "the loss at step " + std::to_string(s) +
                                                           " differs from full_shard's (" + std::to_string(with.losses[s]) +
