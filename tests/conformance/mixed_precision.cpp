@@ -595,7 +595,9 @@ CONFORMANCE_CASE(MixedPrecision, GradScalerSkipsTheStepsLocalScalingSkips, 4,
 namespace {
 // Local training of the whole batch in `dtype` against fsdp's per-rank means reduced in `dtype`:
 // what is left is low precision's rounding of two different computations of one mean.
-void low_precision_parity(Ctx& c, const Variant& v, c10::ScalarType dtype, double tol) {
+// With `loss_scale`, each loss is multiplied by it before backward and the gradients divided by
+// it after, as a user's static loss scaling for fp16 does (on both sides alike).
+void low_precision_parity(Ctx& c, const Variant& v, c10::ScalarType dtype, double tol, double loss_scale = 1.0) {
   torch::manual_seed(28);
   MLP mine;
   torch::manual_seed(28);
@@ -614,10 +616,14 @@ void low_precision_parity(Ctx& c, const Variant& v, c10::ScalarType dtype, doubl
     model.reset_step();
     optim.zero_grad();
     auto loss = mse(model(my_rows(c, x)), my_rows(c, y));
-    loss.backward();
+    (loss * loss_scale).backward();
+    bool finite = true;
     for (const auto& p : model.parameters()) {
       expect_dtype(c, "a parameter", p, dtype);
       expect_dtype(c, "a gradient", p.grad(), dtype);
+      if (!p.grad().defined()) continue;
+      finite = finite && torch::isfinite(p.grad()).all().item().toBool();
+      p.grad().div_(loss_scale);
     }
     optim.step();
     const auto d = comm_dtypes(model);
@@ -625,8 +631,16 @@ void low_precision_parity(Ctx& c, const Variant& v, c10::ScalarType dtype, doubl
     expect_dtypes(c, "the gradients' reductions", d.reduce, name);
     local_optim.zero_grad();
     auto local_loss = mse(local->forward(x), y);
-    local_loss.backward();
+    (local_loss * loss_scale).backward();
+    bool local_finite = true;
+    for (const auto& p : unique_parameters(*local)) {
+      local_finite = local_finite && torch::isfinite(p.grad()).all().item().toBool();
+      c.figure("largest scaled local gradient", p.grad().abs().max().item().toDouble());  // < 65504
+      p.grad().div_(loss_scale);
+    }
     local_optim.step();
+    c.expect(finite || !local_finite, "the gradients overflowed under fsdp at step " + std::to_string(step) +
+                                          " but not in local training");
     c.expect_near("loss at step " + std::to_string(step), global_mean(c, loss.item().toDouble()),
                   local_loss.item().toDouble(), tol);
   }
@@ -644,6 +658,11 @@ CONFORMANCE_CASE(MixedPrecision, WholeLowPrecisionModelTrainsAsLocal, 4,
   auto fp16 = every_strategy(c);
   for (auto& v : fp16) v.name += " model fp16";
   for_each(c, fp16, [&](const Variant& v) { low_precision_parity(c, v, torch::kHalf, 2e-3); });
+  // fp16 with a static loss scale that keeps each gradient below fp16's largest value (65504) in
+  // local training (the largest is 21344): the ranks' gradients must not overflow on their way to
+  // the mean either (summed before dividing by W, they did at step 2).
+  for (auto& v : fp16) v.name += " loss scale 2^16";
+  for_each(c, fp16, [&](const Variant& v) { low_precision_parity(c, v, torch::kHalf, 2e-3, 65536.0); });
 }
 
 // A bf16 model under mixed precision that computes in fp32, or in bf16 and reduces in fp32: the
