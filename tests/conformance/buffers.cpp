@@ -13,8 +13,8 @@
 // buffers per rank and swaps it in for that rank's rows).
 #include <ftw.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 
 #include "conformance.h"
