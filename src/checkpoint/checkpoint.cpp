@@ -131,6 +131,60 @@ void agree(const GroupPtr& group, const std::string& mine, const std::string& wh
   }
 }
 
+// A checkpoint holds one value of each buffer (buffers are whole on every rank; rank 0 writes
+// them). Buffers that differ across ranks -- BatchNorm's running statistics, any buffer a forward
+// updates from the rank's own rows -- would all come back as rank 0's on a load, and the resumed
+// run would silently not be the one that was saved (a forward that reads them, an evaluation with
+// them). Found by the conformance scenario Buffers.CheckpointsRestoreBuffersBitwise. Refused on
+// every rank alike, naming them, before anything is written.
+void check_buffers_agree(const GroupPtr& group, detail::ShardedRoot& root) {
+  if (group->getSize() == 1) return;
+  std::vector<std::string> names;
+  std::string mine;
+  for (const auto& b : root.module().named_buffers(true)) {
+    if (!b.value().defined()) continue;
+    const at::Tensor t = b.value().detach().to(c10::kCPU).contiguous();
+    uint64_t h = 1469598103934665603ULL;  // FNV-1a over the bytes
+    const auto* p = static_cast<const unsigned char*>(t.data_ptr());
+    for (size_t i = 0; i < t.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ULL;
+    names.push_back(b.key());
+    mine += std::to_string(h) + ",";
+  }
+  if (names.empty()) return;
+  const auto all = all_gather_strings(group, mine);
+  auto split = [](const std::string& s) {
+    std::vector<std::string> out;
+    size_t from = 0;
+    for (size_t comma = s.find(','); comma != std::string::npos; from = comma + 1, comma = s.find(',', from)) {
+      out.push_back(s.substr(from, comma - from));
+    }
+    return out;
+  };
+  const auto rank0 = split(all[0]);
+  std::vector<std::string> differ;
+  int first_rank = -1;
+  for (size_t i = 0; i < names.size(); ++i) {
+    for (size_t r = 1; r < all.size(); ++r) {
+      const auto theirs = split(all[r]);
+      if (i >= theirs.size() || i >= rank0.size() || theirs[i] != rank0[i]) {
+        differ.push_back("'" + names[i] + "'");
+        if (first_rank < 0) first_rank = static_cast<int>(r);
+        break;
+      }
+    }
+  }
+  if (differ.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < differ.size() && i < 8; ++i) list += (i ? ", " : "") + differ[i];
+  if (differ.size() > 8) list += " and " + std::to_string(differ.size() - 8) + " more";
+  throw std::invalid_argument(
+      "fsdp: saving a checkpoint: buffer(s) " + list + " differ across ranks (rank " + std::to_string(first_rank) +
+      "'s from rank 0's; each rank's forwards updated them from its own rows, as BatchNorm's running statistics "
+      "are). A checkpoint holds one value of each buffer, so loading it would give every rank rank 0's and the "
+      "resumed run would not be the one saved: refused. Make them equal on every rank before saving (average them "
+      "over the ranks, or broadcast rank 0's, with the mesh's world() group), or save them yourself.");
+}
+
 // What a manifest would say of the optimizer, for a PyTorch checkpoint: its type is taken to be
 // this optimizer's (the state tensors' names, checked by stage_optimizer, must fit it), the step
 // counts are the files', and the groups with their hyper-parameters are those of the folder's
@@ -436,6 +490,7 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
                                 " ranks and the model is trained by " + std::to_string(job_size(root)) +
                                 "; with tensor parallelism give it the job's mesh (TensorParallel::world())");
   }
+  check_buffers_agree(impl_->group, root);
   RankState rs = collect_rank_state(root, optimizer);
   nlohmann::json manifest = manifest_base(root, kind, rs, state, scaler);
   const std::string final_path = dir_ + "/" + step_name(state.step);

@@ -12,15 +12,22 @@ double clip_grad_norm(const std::vector<const Unit*>& units, CommContext& comm, 
   std::vector<at::Tensor> grads;
   // [0]: replicated parameters' squares (every TP rank holds the same), [1]: TP-split ones' (each
   // TP rank its part): the first counted once, the second summed over the TP group too.
-  at::Tensor sums = at::zeros({2}, units.empty() ? at::TensorOptions(at::kFloat)
-                                                 : units[0]->handle().shard().options().dtype(at::kFloat));
+  // Squares summed in fp32, or in fp64 when a unit's gradients are fp64 (a model cast to double:
+  // an fp32 sum would put its norm, and every clipped gradient, 1e-8 from local training's).
+  // Decided by the units' dtypes, which every rank shares, so the all-reduce below agrees.
+  c10::ScalarType acc = at::kFloat;
+  for (const Unit* u : units) {
+    if (u->handle().dtypes().grad == at::kDouble) acc = at::kDouble;
+  }
+  at::Tensor sums = at::zeros({2}, units.empty() ? at::TensorOptions(acc)
+                                                 : units[0]->handle().shard().options().dtype(acc));
   const bool split_dims = tp != nullptr && tp->size() > 1;
   for (const Unit* u : units) {
     for (const auto& p : u->handle().params()) {
       if (!p.grad().defined()) continue;
       grads.push_back(p.grad());
       const bool split = split_dims && tensor_parallel_placement(p).has_value();
-      sums[split ? 1 : 0].add_(p.grad().to(at::kFloat).pow(2).sum());
+      sums[split ? 1 : 0].add_(p.grad().to(acc).pow(2).sum());
     }
   }
   if (comm.mesh().shard_size > 1) {

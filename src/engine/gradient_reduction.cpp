@@ -115,9 +115,9 @@ void GradientReduction::begin(bool no_sync) {
 
   // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
   // the mean over ranks. In low precision divide before summing, so the sum cannot overflow
-  // (fp16); in full precision after, as local training would round.
+  // (fp16); in full precision after, as local training would round (UnitDtypes::divide_before_sum).
   const MeshInfo& mesh = comm_.mesh();
-  if (dt.low_precision_reduce()) flat.div_(mesh.world_size);
+  if (dt.divide_before_sum()) flat.div_(mesh.world_size);
   Pending r;
   r.input = flat;
   r.got = std::move(got);
@@ -219,11 +219,8 @@ int64_t GradientReduction::finish() {
   issue_all_reduce(r);
   blocked += comm_.wait(r.all_reduce) + r.blocked_ns;
   at::Tensor reduced = r.output;
-  if (dt.low_precision_reduce()) {
-    reduced = reduced.to(dt.master);  // back into the sharded gradient's dtype
-  } else {
-    reduced.div_(comm_.mesh().world_size);
-  }
+  if (dt.low_precision_reduce()) reduced = reduced.to(dt.master);  // back into the sharded gradient's dtype
+  if (!dt.divide_before_sum()) reduced.div_(comm_.mesh().world_size);
   const auto& slices = handle_.slices();
   for (size_t i = 0; i < grads_.size(); ++i) {
     const ShardSlice& s = slices[i];

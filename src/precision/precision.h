@@ -21,6 +21,13 @@ struct UnitDtypes {
   // Reduced in a narrower type than the master: divide by W before summing (an fp16 sum could
   // overflow) and cast back after.
   bool low_precision_reduce() const { return reduce != master; }
+  // Divide each rank's gradients by W before the sum, not after: whenever the reduction runs in a
+  // 16-bit float, also for a model that is fp16 itself (no mixed precision), where the sum of W
+  // per-rank gradients overflows fp16 long before their mean does (local training computes the
+  // mean). Full precision divides after, as local training rounds.
+  bool divide_before_sum() const {
+    return low_precision_reduce() || reduce == c10::kHalf || reduce == c10::kBFloat16;
+  }
 };
 
 // Mixed precision applies to floating-point units only; integer parameters keep their dtype.

@@ -63,10 +63,18 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   comm_->set_param_quantization(options_.quantize_all_gather, options_.quantization_block);
   if (options_.sync_module_states) broadcast_module_states();
   if (const auto& mp = options_.mixed_precision) {
-    // Buffers are not sharded: cast them once, here, instead of at every forward.
+    // Buffers are not sharded: cast them once, here, instead of at every forward. Not those of
+    // ignored modules: they are the caller's, computed with its own (uncast) parameters, and a
+    // BatchNorm among them would meet bf16 running statistics with fp32 inputs.
     at::NoGradGuard no_grad;
+    std::set<const c10::TensorImpl*> ignored_buffers;
+    for (const auto& m : options_.ignored_modules) {
+      for (const auto& b : m->buffers(true)) ignored_buffers.insert(b.unsafeGetTensorImpl());
+    }
     for (auto& b : module_->buffers(true)) {
-      if (b.defined() && at::isFloatingType(b.scalar_type())) b.set_data(b.to(mp->buffer_dtype));
+      if (b.defined() && at::isFloatingType(b.scalar_type()) && !ignored_buffers.count(b.unsafeGetTensorImpl())) {
+        b.set_data(b.to(mp->buffer_dtype));
+      }
     }
   }
   std::vector<std::string> names;
