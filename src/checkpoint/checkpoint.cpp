@@ -22,6 +22,7 @@
 #include <cstring>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <set>
 #include <thread>
@@ -132,13 +133,15 @@ void agree(const GroupPtr& group, const std::string& mine, const std::string& wh
 }
 
 // A checkpoint holds one value of each buffer (buffers are whole on every rank; rank 0 writes
-// them). Buffers that differ across ranks -- BatchNorm's running statistics, any buffer a forward
-// updates from the rank's own rows -- would all come back as rank 0's on a load, and the resumed
-// run would silently not be the one that was saved (a forward that reads them, an evaluation with
-// them). Found by the conformance scenario Buffers.CheckpointsRestoreBuffersBitwise. Refused on
-// every rank alike, naming them, before anything is written.
-void check_buffers_agree(const GroupPtr& group, detail::ShardedRoot& root) {
-  if (group->getSize() == 1) return;
+// them, as PyTorch's state dicts hold rank 0's). Buffers that differ across ranks -- BatchNorm's
+// running statistics, any buffer a forward updates from the rank's own rows -- come back as rank
+// 0's on every rank, so a resumed run is not bit for bit the one saved on the other ranks (an
+// evaluation with them, a forward that reads them). Found by the conformance scenario
+// Buffers.CheckpointsRestoreBuffersBitwise. Not refused (a BatchNorm model trained without
+// synchronized statistics must stay checkpointable, as in PyTorch), but said: the names of the
+// buffers that differ, "" when none do. Every rank calls it (a collective).
+std::string buffers_that_differ(const GroupPtr& group, detail::ShardedRoot& root) {
+  if (group->getSize() == 1) return "";
   std::vector<std::string> names;
   std::string mine;
   for (const auto& b : root.module().named_buffers(true)) {
@@ -150,7 +153,7 @@ void check_buffers_agree(const GroupPtr& group, detail::ShardedRoot& root) {
     names.push_back(b.key());
     mine += std::to_string(h) + ",";
   }
-  if (names.empty()) return;
+  if (names.empty()) return "";
   const auto all = all_gather_strings(group, mine);
   auto split = [](const std::string& s) {
     std::vector<std::string> out;
@@ -173,16 +176,11 @@ void check_buffers_agree(const GroupPtr& group, detail::ShardedRoot& root) {
       }
     }
   }
-  if (differ.empty()) return;
+  if (differ.empty()) return "";
   std::string list;
   for (size_t i = 0; i < differ.size() && i < 8; ++i) list += (i ? ", " : "") + differ[i];
   if (differ.size() > 8) list += " and " + std::to_string(differ.size() - 8) + " more";
-  throw std::invalid_argument(
-      "fsdp: saving a checkpoint: buffer(s) " + list + " differ across ranks (rank " + std::to_string(first_rank) +
-      "'s from rank 0's; each rank's forwards updated them from its own rows, as BatchNorm's running statistics "
-      "are). A checkpoint holds one value of each buffer, so loading it would give every rank rank 0's and the "
-      "resumed run would not be the one saved: refused. Make them equal on every rank before saving (average them "
-      "over the ranks, or broadcast rank 0's, with the mesh's world() group), or save them yourself.");
+  return list + " differ across ranks (rank " + std::to_string(first_rank) + "'s from rank 0's)";
 }
 
 // What a manifest would say of the optimizer, for a PyTorch checkpoint: its type is taken to be
@@ -337,6 +335,7 @@ struct Checkpointer::Impl {
   // Asynchronous saves' host copy, one buffer per dtype, kept from save to save: the next save
   // waits for the previous write, so it can reuse the memory (already faulted in) at once.
   std::map<c10::ScalarType, at::Tensor> staging;
+  bool warned_buffers = false;  // rank 0 said once that buffers differ across ranks (see save)
 
   // The steps after the files are written: gather the parts, commit on rank 0, agree.
   void commit(const std::string& dir, const std::string& tmp, nlohmann::json manifest, const nlohmann::json& part) {
@@ -490,7 +489,16 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
                                 " ranks and the model is trained by " + std::to_string(job_size(root)) +
                                 "; with tensor parallelism give it the job's mesh (TensorParallel::world())");
   }
-  check_buffers_agree(impl_->group, root);
+  const std::string differ = buffers_that_differ(impl_->group, root);
+  if (!differ.empty() && impl_->group->getRank() == 0 && !impl_->warned_buffers) {
+    impl_->warned_buffers = true;  // once per checkpointer: the same buffers differ at every save
+    std::cerr << ("fsdp: warning: saving a checkpoint: buffer(s) " + differ +
+                  ": each rank's forwards update them from its own rows, as BatchNorm's running statistics are. A "
+                  "checkpoint holds rank 0's, as PyTorch's state dicts do: a load gives every rank "
+                  "rank 0's values, so a resumed run is not bit for bit the saved one on the other ranks. To keep them "
+                  "exact, make them equal before saving (average them over the ranks with the mesh's world() group).\n")
+              << std::flush;
+  }
   RankState rs = collect_rank_state(root, optimizer);
   nlohmann::json manifest = manifest_base(root, kind, rs, state, scaler);
   const std::string final_path = dir_ + "/" + step_name(state.step);

@@ -1,4 +1,6 @@
 // What every scenario shares: the variants, the comparisons against local training, the registry.
+#include <cstdlib>
+#include <iostream>
 #include <sstream>
 
 #include "conformance.h"
@@ -7,6 +9,11 @@ namespace conformance {
 
 void Ctx::fail(const std::string& what) {
   failures.push_back((variant.empty() ? "" : variant + ": ") + what);
+  // FSDP_CONFORMANCE_VERBOSE=1: each failure as it happens (a scenario that then hangs or aborts
+  // writes no result file).
+  if (std::getenv("FSDP_CONFORMANCE_VERBOSE")) {
+    std::cerr << ("rank " + std::to_string(rank) + ": " + failures.back() + "\n") << std::flush;
+  }
 }
 
 void Ctx::expect_near(const std::string& what, double got, double want, double tol) {
