@@ -224,15 +224,22 @@ void FlatParamHandle::reshard(bool keep_secondary) {
 
 void FlatParamHandle::summon(bool keep) {
   TORCH_INTERNAL_ASSERT(state_ == HandleState::SHARDED, "fsdp: summon_full_params needs every unit at rest");
-  if (comm_.mesh().shard_size == 1) return;  // the shard is the whole parameter already
   at::NoGradGuard no_grad;
   at::Tensor full;
-  InFlight f = comm_.issue(CommKind::ALL_GATHER, Over::SHARD_GROUP, index_, "parameters (summon_full_params)", [&] {
-    full = at::empty({layout_.padded_numel()}, shard_.options());
-    return Buffers{full, shard_};
-  });
-  comm_.wait(f);
-  if (!keep) return;
+  if (comm_.mesh().shard_size == 1) {
+    // The shard is the whole parameter already, but the scope gets a copy of its own all the same:
+    // what it changes must reach the shard only through end_summon, as with F > 1 (writeback =
+    // false discards it, rank0_only's rank 0 must not keep changes the others never see).
+    if (!keep) return;
+    full = shard_.clone();
+  } else {
+    InFlight f = comm_.issue(CommKind::ALL_GATHER, Over::SHARD_GROUP, index_, "parameters (summon_full_params)", [&] {
+      full = at::empty({layout_.padded_numel()}, shard_.options());
+      return Buffers{full, shard_};
+    });
+    comm_.wait(f);
+    if (!keep) return;
+  }
   summoned_ = full;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries()[i];

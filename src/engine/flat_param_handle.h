@@ -96,9 +96,9 @@ class FlatParamHandle {
   void set_secondary_size(int n) { secondary_size_ = n; }
   int secondary_size() const { return secondary_size_; }
   // summon_full_params: the whole parameters in the master dtype, in a buffer of their own (not
-  // the compute one: values must round-trip exactly). `keep` false: gather, then let go at once
-  // (the ranks other than 0 under rank0_only). end_summon copies this rank's part back into the
-  // shard when `writeback`.
+  // the compute one: values must round-trip exactly; with F = 1 a copy of the shard). `keep`
+  // false: gather, then let go at once (the ranks other than 0 under rank0_only). end_summon
+  // copies this rank's part back into the shard when `writeback`.
   void summon(bool keep);
   void end_summon(bool writeback);
   // Between a forward and its backward, a unit left gathered (the root, the ZeRO-2 strategies) is
