@@ -257,6 +257,30 @@ void FlatParamHandle::end_summon(bool writeback) {
   summoned_ = at::Tensor();
 }
 
+std::vector<int64_t> FlatParamHandle::summoned_checksums() const {
+  std::vector<int64_t> out;
+  if (!summoned_.defined()) return out;
+  at::NoGradGuard no_grad;
+  const size_t size = summoned_.element_size();
+  const auto word = size == 8 ? at::kLong : size == 4 ? at::kInt : size == 2 ? at::kShort : at::kByte;
+  constexpr int64_t kChunk = 1 << 20;
+  for (const auto& e : layout_.entries()) {
+    // The sum of each word times an odd weight, wrapping modulo 2^64: odd weights are invertible,
+    // so a change of any single word changes it.
+    const at::Tensor words = summoned_.narrow(0, e.offset, e.numel).view(word);
+    int64_t h = 0;
+    for (int64_t b = 0; b < e.numel; b += kChunk) {
+      const int64_t n = std::min(kChunk, e.numel - b);
+      const auto longs = at::TensorOptions().dtype(at::kLong).device(summoned_.device());
+      const at::Tensor w = words.narrow(0, b, n).to(at::kLong);
+      h = static_cast<int64_t>(static_cast<uint64_t>(h) +
+                               static_cast<uint64_t>(w.mul_(at::arange(b, b + n, longs).mul_(2).add_(1)).sum().item<int64_t>()));
+    }
+    out.push_back(h);
+  }
+  return out;
+}
+
 void FlatParamHandle::poison() {
   if (state_ == HandleState::UNSHARDED) return;
   gather_ = InFlight{};  // failed or abandoned: the backend writes into the buffer no more

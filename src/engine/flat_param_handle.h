@@ -101,6 +101,10 @@ class FlatParamHandle {
   // copies this rank's part back into the shard when `writeback`.
   void summon(bool keep);
   void end_summon(bool writeback);
+  // Inside summon_full_params (kept): one checksum of each parameter's bits in the whole copy.
+  // Every rank's copy came from one all-gather, so ranks that changed nothing, or made the same
+  // change, agree bit for bit; a change made on some ranks only shows.
+  std::vector<int64_t> summoned_checksums() const;
   // Between a forward and its backward, a unit left gathered (the root, the ZeRO-2 strategies) is
   // guarded (param_guard.h): anything but the root's own passes must ask the runtime first.
   void guard_gathered();
