@@ -3,7 +3,9 @@
 // use them: writeback on and off, a one-element parameter, between a forward and its backward,
 // inside forward and inside backward, rank0_only, names inside and outside, a change made on some
 // ranks only, the memory a scope gathers, and unshard() of a root that holds no parameters.
+#include <chrono>
 #include <set>
+#include <thread>
 
 #include "conformance.h"
 #include "fsdp/process_memory.h"
@@ -13,9 +15,9 @@ namespace {
 
 // A unit (inner) and the root (head), as the peer's Sequential(FSDP(Linear(5, 5)), Linear(5, 3)).
 struct TwoLayerImpl : torch::nn::Module {
-  TwoLayerImpl() {
-    inner = register_module("inner", torch::nn::Linear(5, 5));
-    head = register_module("head", torch::nn::Linear(5, 3));
+  explicit TwoLayerImpl(int64_t in = 5, int64_t hidden = 5) {
+    inner = register_module("inner", torch::nn::Linear(in, hidden));
+    head = register_module("head", torch::nn::Linear(hidden, 3));
   }
   torch::Tensor forward(const torch::Tensor& x) { return head(torch::relu(inner(x))); }
   torch::nn::Linear inner{nullptr}, head{nullptr};
@@ -513,55 +515,85 @@ CONFORMANCE_CASE(SummonFullParams, ChangeMadeOnSomeRanksIsRefused, 4,
   });
 }
 
+namespace {
+// A model of 17 KB, so that a scope's bytes stand out of what the live tensor count also sees: the
+// few-byte tensors of finished collectives (a loss's all-reduce) that Gloo's worker threads
+// release on their own time, up to a few hundred bytes either way.
+constexpr int64_t kWide = 64, kNoise = 1024;
+
+// Live tensor bytes once they are within kNoise of `want`, or after half a second: Gloo's worker
+// threads let go of a finished collective's tensors (a gathered shard's cast copy, a reduction's
+// input) a moment after its wait returned, on their own time.
+int64_t live_near(int64_t want) {
+  int64_t now = fsdp::process_memory().live_tensor_bytes;
+  for (int i = 0; i < 500 && std::abs(now - want) > kNoise; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    now = fsdp::process_memory().live_tensor_bytes;
+  }
+  return now;
+}
+// Live tensor bytes once Gloo's threads have let go of what they held (unchanged for 5 ms).
+int64_t live_settled() {
+  int64_t now = fsdp::process_memory().live_tensor_bytes;
+  for (int i = 0; i < 100; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    const int64_t later = fsdp::process_memory().live_tensor_bytes;
+    if (later == now) break;
+    now = later;
+  }
+  return now;
+}
+}  // namespace
+
 CONFORMANCE_CASE(SummonFullParams, GatheredMemoryFreedWhenTheScopeEnds, 4,
                  "#315: DeepSpeed test_zero_context TestZeroGatheredParametersFree; FSDP1 test_unshard_params_respects_reshard") {
   fsdp::install_host_allocator();
   for_each(c, every_strategy(c, /*bf16=*/true), [&](const Variant& v) {
     torch::manual_seed(9);
-    TwoLayer mine;
+    TwoLayer mine(kWide, kWide);
     torch::manual_seed(9);
-    TwoLayer local;
+    TwoLayer local(kWide, kWide);
     fsdp::fully_shard(*mine->inner);
     fsdp::FullyShardedDataParallel model(mine, c.mesh, v.options);
     torch::optim::SGD optim(model.parameters(), kSgd);
     torch::optim::SGD local_optim(local->parameters(), kSgd);
     const double tol = tolerance(v);
-    train_step(c, model, optim, local, local_optim, 0, tol);
+    train_step(c, model, optim, local, local_optim, 0, tol, kWide);
     int64_t whole_bytes = 0;  // the whole model in its master dtype (fp32)
     for (const auto& u : model.units()) whole_bytes += u.numel * u.element_size;
     const int F = model.shard_size();
 
-    const int64_t base = fsdp::process_memory().live_tensor_bytes;
+    const int64_t base = live_settled();
     {
       auto full = model.summon_full_params();
       const int64_t held = fsdp::process_memory().live_tensor_bytes - base;
       c.figure("summon_full_params_bytes", static_cast<double>(held));
-      if (F > 1) c.expect(held >= whole_bytes, "summon_full_params holds the whole parameters (" + std::to_string(held) +
+      if (F > 1) c.expect(held >= whole_bytes - kNoise, "summon_full_params holds the whole parameters (" + std::to_string(held) +
                                               " bytes above the shards, " + std::to_string(whole_bytes) + " whole)");
     }
-    c.expect(fsdp::process_memory().live_tensor_bytes == base,
+    c.expect(std::abs(live_near(base) - base) <= kNoise,
              "the summon_full_params scope's memory is freed when it ends (" +
-                 std::to_string(fsdp::process_memory().live_tensor_bytes - base) + " bytes left)");
+                 std::to_string(live_near(base) - base) + " bytes left)");
     c.expect(model.metrics().memory.unsharded_current == 0, "no unsharded buffer after summon_full_params");
 
     {
       auto whole = model.unshard();
-      const int64_t held = fsdp::process_memory().live_tensor_bytes - base;
       const int64_t counted = model.metrics().memory.unsharded_current;
+      const int64_t held = live_near(base + counted) - base;
       c.figure("unshard_bytes", static_cast<double>(held));
       c.figure("unshard_counted_bytes", static_cast<double>(counted));
-      c.expect(held == counted, "inside unshard() fsdp counts " + std::to_string(counted) +
+      c.expect(std::abs(held - counted) <= kNoise, "inside unshard() fsdp counts " + std::to_string(counted) +
                                     " unsharded bytes, the allocator holds " + std::to_string(held) + " more");
     }
-    c.expect(fsdp::process_memory().live_tensor_bytes == base,
+    c.expect(std::abs(live_near(base) - base) <= kNoise,
              "the unshard() scope's memory is freed when it ends (" +
-                 std::to_string(fsdp::process_memory().live_tensor_bytes - base) + " bytes left)");
+                 std::to_string(live_near(base) - base) + " bytes left)");
     c.expect(model.metrics().memory.unsharded_current == 0, "no unsharded buffer after unshard()");
 
     // A step inside unshard() (forward and backward; the optimizer after it): back to the same bytes.
     {
       auto whole = model.unshard();
-      const auto x = randn(1001, {8, 5});
+      const auto x = randn(1001, {8, kWide});
       const auto y = randn(2001, {8, 3});
       optim.zero_grad();
       auto loss = torch::mse_loss(model(my_rows(c, x)).to(torch::kFloat), my_rows(c, y));
@@ -573,9 +605,9 @@ CONFORMANCE_CASE(SummonFullParams, GatheredMemoryFreedWhenTheScopeEnds, 4,
     }
     optim.step();
     local_optim.step();
-    c.expect(fsdp::process_memory().live_tensor_bytes == base,
+    c.expect(std::abs(live_near(base) - base) <= kNoise,
              "after a step whose forward and backward ran inside unshard(), the same bytes as after a plain step (" +
-                 std::to_string(fsdp::process_memory().live_tensor_bytes - base) + " bytes more)");
+                 std::to_string(live_near(base) - base) + " bytes more)");
     expect_same_model(c, model, *mine, *local, tol);
   });
 }
