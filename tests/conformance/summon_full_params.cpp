@@ -3,12 +3,11 @@
 // use them: writeback on and off, a one-element parameter, between a forward and its backward,
 // inside forward and inside backward, rank0_only, names inside and outside, a change made on some
 // ranks only, the memory a scope gathers, and unshard() of a root that holds no parameters.
-#include <chrono>
 #include <set>
-#include <thread>
 
 #include "conformance.h"
 #include "fsdp/process_memory.h"
+#include "live_bytes.h"
 
 namespace conformance {
 namespace {
@@ -516,33 +515,12 @@ CONFORMANCE_CASE(SummonFullParams, ChangeMadeOnSomeRanksIsRefused, 4,
 }
 
 namespace {
-// A model of 17 KB, so that a scope's bytes stand out of what the live tensor count also sees: the
-// few-byte tensors of finished collectives (a loss's all-reduce) that Gloo's worker threads
-// release on their own time, up to a few hundred bytes either way.
-constexpr int64_t kWide = 64, kNoise = 1024;
-
-// Live tensor bytes once they are within kNoise of `want`, or after half a second: Gloo's worker
-// threads let go of a finished collective's tensors (a gathered shard's cast copy, a reduction's
-// input) a moment after its wait returned, on their own time.
-int64_t live_near(int64_t want) {
-  int64_t now = fsdp::process_memory().live_tensor_bytes;
-  for (int i = 0; i < 500 && std::abs(now - want) > kNoise; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    now = fsdp::process_memory().live_tensor_bytes;
-  }
-  return now;
-}
-// Live tensor bytes once Gloo's threads have let go of what they held (unchanged for 5 ms).
-int64_t live_settled() {
-  int64_t now = fsdp::process_memory().live_tensor_bytes;
-  for (int i = 0; i < 100; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    const int64_t later = fsdp::process_memory().live_tensor_bytes;
-    if (later == now) break;
-    now = later;
-  }
-  return now;
-}
+// A model of 17 KB, so that a scope's bytes stand out of what the live count also sees
+// (live_bytes.h).
+constexpr int64_t kWide = 64;
+using live::kNoise;
+int64_t live_near(int64_t want) { return live::near(want); }
+int64_t live_settled() { return live::settled(); }
 }  // namespace
 
 CONFORMANCE_CASE(SummonFullParams, GatheredMemoryFreedWhenTheScopeEnds, 4,
