@@ -16,6 +16,7 @@
 #include "comm/mesh_info.h"
 #include "comm/mesh_state.h"
 #include "engine/model_fingerprint.h"
+#include "engine/param_key.h"
 #include "engine/unit_decomposition.h"
 
 namespace fsdp::detail {
@@ -28,6 +29,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   check_tensor_parallel();
   const int F = sharding_factor(options_, mesh_->world_size(), mesh_->env().local_world_size);
   ignored_ = ignored_tensors(*module_, options_);
+  check_not_wrapped_already();
   std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy, ignored_);
   {
     std::vector<std::string> names;
@@ -107,6 +109,21 @@ void ShardedRoot::check_tensor_parallel() {
                                 " ranks, wrap the model over tensor_parallel->data_parallel() (the " +
                                 std::to_string(tp->data_parallel()->world_size()) + " data-parallel ranks), not " +
                                 "a mesh of " + std::to_string(mesh_->world_size()));
+  }
+}
+
+void ShardedRoot::check_not_wrapped_already() const {
+  // A parameter another wrapper already points at its shard (or gathered copy) carries fsdp's key:
+  // wrapping it again would flatten that wrapper's 1-D shards as if they were the parameters (its
+  // ranks' shapes differ) or, with F = 1, take the parameters away from the first wrapper. Local
+  // and alike on every rank: refused before any collective.
+  for (const auto& np : module_->named_parameters(true)) {
+    if (ignored_.count(np.value().unsafeGetTensorImpl()) || !param_key::has_key(np.value())) continue;
+    throw std::invalid_argument(
+        "fsdp: parameter '" + np.key() + "' already belongs to a FullyShardedDataParallel (it holds that wrapper's "
+        "shard): a model, or a module inside it, is wrapped once. Wrap the whole model once, and make the modules "
+        "that should be units of their own units with fsdp::fully_shard(*module) or Options::auto_wrap_policy "
+        "before wrapping it; for a second copy, build a new model.");
   }
 }
 

@@ -61,6 +61,8 @@ class ShardedRoot {
 
  private:
   void check_tensor_parallel();
+  // Throws when a parameter belongs to another wrapper already (the model wrapped twice).
+  void check_not_wrapped_already() const;
   void materialize_buffers();
   void materialize_ignored();
   void broadcast_module_states();
