@@ -11,6 +11,7 @@ FullyShardedDataParallelBase::FullyShardedDataParallelBase(std::shared_ptr<torch
 
 void FullyShardedDataParallelBase::begin_forward() {
   root_->throw_pending_refusal();
+  root_->check_no_new_parameters();
   root_->runtime().begin_forward();
 }
 void FullyShardedDataParallelBase::end_forward(bool ok) { root_->runtime().end_forward(ok); }

@@ -80,6 +80,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
     units.push_back(units_.back().get());
   }
   comm_->set_unit_names(std::move(names));
+  for (const auto& p : module_->parameters(true)) wrapped_params_.insert(p.unsafeGetTensorImpl());
   runtime_ = std::make_shared<Runtime>(std::move(units), *comm_, options_, reshards_after_forward(options_.strategy));
   runtime_->install_hooks();
   // A model built whole has just been freed, but for its shards: give that memory back.
@@ -124,6 +125,21 @@ void ShardedRoot::check_not_wrapped_already() const {
         "shard): a model, or a module inside it, is wrapped once. Wrap the whole model once, and make the modules "
         "that should be units of their own units with fsdp::fully_shard(*module) or Options::auto_wrap_policy "
         "before wrapping it; for a second copy, build a new model.");
+  }
+}
+
+void ShardedRoot::check_no_new_parameters() const {
+  // A parameter the model gained after wrapping (a registered adapter, a replaced layer) is in no
+  // unit: never sharded, gathered or reduced, so every rank would train its own copy on its own
+  // rows. Local and alike on every rank (the same model): refused before the forward's first
+  // collective. One walk of the parameters per forward.
+  for (const auto& np : module_->named_parameters(true)) {
+    if (wrapped_params_.count(np.value().unsafeGetTensorImpl())) continue;
+    throw Refusal("fsdp: parameter '" + np.key() + "' was registered after the model was wrapped (a submodule "
+                  "registered or replaced since): it is in no unit, so every rank would train its own copy of it "
+                  "on its own rows, never averaged. Register every submodule before wrapping the model (or wrap a new "
+                  "model that has it), or take it away again (unregister_module) to go on; a module whose parameters "
+                  "are yours to keep consistent goes in Options::ignored_modules, before wrapping.");
   }
 }
 

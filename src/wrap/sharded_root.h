@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -39,6 +40,8 @@ class ShardedRoot {
   void end_summon(bool writeback) noexcept;
   // Throws, once, what end_summon refused (every rank alike); the entry points call it first.
   void throw_pending_refusal();
+  // Throws when the model holds a parameter it did not hold when wrapped (forward calls it).
+  void check_no_new_parameters() const;
   std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;
   std::vector<UnitInfo> units() const;
   // The indices of the units named by module path ("" the root unit); every unit for none. Throws
@@ -79,6 +82,7 @@ class ShardedRoot {
   std::vector<std::unique_ptr<Unit>> units_;
   std::shared_ptr<Runtime> runtime_;
   bool summoned_ = false;
+  std::unordered_set<const c10::TensorImpl*> wrapped_params_;  // every parameter at wrapping
   bool summon_writes_ = false;        // the summon scope writes back
   std::string pending_refusal_;       // end_summon's, thrown by the next call
   int64_t alloc_retries_at_reset_ = 0;
