@@ -7,6 +7,7 @@
 #include "conformance.h"
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/process_memory.h"
+#include "live_bytes.h"
 
 namespace conformance {
 namespace {
@@ -395,13 +396,10 @@ CONFORMANCE_CASE(ActivationCheckpoint, SeveralInputsAndOutputs, 4,
   });
 }
 
-namespace {
-int64_t live_bytes() { return fsdp::process_memory().live_tensor_bytes; }
-}  // namespace
-
 // What a step holds, measured by libtorch's CPU allocator: with every block checkpointed (by the
-// policy, or by fsdp::checkpoint in the forward: the same memory) the peak of the step is lower
-// than without, and what is held between forward and backward, besides the gathered parameters,
+// policy, or by fsdp::checkpoint in the forward: the same memory between forward and backward) the
+// peak of the step is lower than without, and what is held between forward and backward, besides
+// the gathered parameters,
 // is at most each block's saved input and the generator state it keeps for recomputation, plus
 // the head's input, output and loss: (blocks + 3) rows x width x 4 bytes + blocks x the CPU
 // generator's state. The losses are bitwise those without checkpointing.
@@ -410,7 +408,10 @@ CONFORMANCE_CASE(ActivationCheckpoint, PeakMemoryIsLower, 4,
                  "wrapper and functional forms)") {
   fsdp::install_host_allocator();
   for_each(c, every_strategy(c), [&](const Variant& v) {
-    const int64_t rows = 16, width = 64, blocks = 4;  // per rank
+    // Activations well above the parameters, so that which collectives happen to be in flight at
+    // the peak (gathered blocks, their Gloo staging copies, reductions: ~100 KB either way) cannot
+    // hide what checkpointing saves (~1 MB).
+    const int64_t rows = 256, width = 32, blocks = 4;  // rows per rank
     const int64_t rng_state = at::globalContext().defaultGenerator(c10::Device(c10::kCPU)).get_state().nbytes();
     std::map<std::string, int64_t> peak, held;
     std::map<std::string, std::vector<double>> losses;
@@ -427,8 +428,8 @@ CONFORMANCE_CASE(ActivationCheckpoint, PeakMemoryIsLower, 4,
         const auto y = randn(9900 + step, {rows * c.world, 4});
         optim.zero_grad();
         torch::Tensor loss;
+        const int64_t start = live::settled();  // the last step's reductions let go
         fsdp::HostMemoryPeak measure;
-        const int64_t start = live_bytes();
         if (form == "functional") {
           loss = torch::mse_loss(model.forward_with([&] {
             torch::Tensor h = my_rows(c, x);
@@ -441,7 +442,7 @@ CONFORMANCE_CASE(ActivationCheckpoint, PeakMemoryIsLower, 4,
         } else {
           loss = torch::mse_loss(model(my_rows(c, x)), my_rows(c, y));
         }
-        held[form] = live_bytes() - start - model.metrics().memory.unsharded_current;
+        held[form] = live::settled() - start - model.metrics().memory.unsharded_current;
         loss.backward();
         peak[form] = measure.peak_bytes();
         optim.step();
@@ -462,9 +463,9 @@ CONFORMANCE_CASE(ActivationCheckpoint, PeakMemoryIsLower, 4,
                                                            form + ") is bitwise the loss without");
       }
     }
-    c.expect(peak["policy"] == peak["functional"] && held["policy"] == held["functional"],
-             "the policy and the functional form hold the same memory (peaks " + std::to_string(peak["policy"]) + " and " +
-                 std::to_string(peak["functional"]) + ")");
+    c.expect(std::abs(held["policy"] - held["functional"]) <= live::kNoise,
+             "the policy and the functional form hold the same memory between forward and backward (" +
+                 std::to_string(held["policy"]) + " and " + std::to_string(held["functional"]) + " bytes)");
   });
 }
 
