@@ -73,8 +73,11 @@ class FullyShardedDataParallelBase {
   // rank's shard (a 1-D slice when F > 1). A collective: every rank calls it, at the same point,
   // outside forward and backward. With `writeback` (the default), in-place changes made to the
   // whole parameters are copied back into the shards when the scope ends; make the same change on
-  // every rank. Values are the optimizer's (the master dtype, even with mixed precision);
-  // gradients stay sharded.
+  // every rank: the scope's end compares the ranks' values, and a change made on some ranks only
+  // is discarded on every rank and refused by the next call (forward, summon_full_params,
+  // unshard, clip_grad_norm_, a checkpoint). Without it, changes are discarded (every strategy).
+  // Values are the optimizer's (the master dtype, even with mixed precision); gradients stay
+  // sharded.
   class FullParams {
    public:
     ~FullParams();

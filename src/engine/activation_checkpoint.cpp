@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/custom_class.h>
 
+#include "engine/param_key.h"
 #include "engine/touch_detection.h"
 
 namespace fsdp {
@@ -144,6 +145,17 @@ std::vector<torch::Tensor> checkpoint(const TensorsFn& fn, const std::vector<tor
   bool any_requires_grad = false;
   for (const auto& t : inputs) any_requires_grad = any_requires_grad || (t.defined() && t.requires_grad());
   if (!at::GradMode::is_enabled()) return fn(inputs);
+  // A parameter passed as an input (a learned gate, T5's position bias): autograd records each
+  // input's shape when the function is applied, before `fn` touches anything, and a parameter
+  // whose unit is not gathered yet holds this rank's 1-D shard then; the whole gradient backward
+  // returns for it would not fit that shape. Touched here first (recording nothing), its unit is
+  // gathered and the input is whole, as without fsdp.
+  if (touch::in_root_pass()) {
+    at::NoGradGuard no_grad;
+    for (const auto& t : inputs) {
+      if (param_key::has_key(t)) (void)t.alias();
+    }
+  }
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
   state->num_inputs = inputs.size();

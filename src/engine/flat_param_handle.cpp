@@ -224,15 +224,22 @@ void FlatParamHandle::reshard(bool keep_secondary) {
 
 void FlatParamHandle::summon(bool keep) {
   TORCH_INTERNAL_ASSERT(state_ == HandleState::SHARDED, "fsdp: summon_full_params needs every unit at rest");
-  if (comm_.mesh().shard_size == 1) return;  // the shard is the whole parameter already
   at::NoGradGuard no_grad;
   at::Tensor full;
-  InFlight f = comm_.issue(CommKind::ALL_GATHER, Over::SHARD_GROUP, index_, "parameters (summon_full_params)", [&] {
-    full = at::empty({layout_.padded_numel()}, shard_.options());
-    return Buffers{full, shard_};
-  });
-  comm_.wait(f);
-  if (!keep) return;
+  if (comm_.mesh().shard_size == 1) {
+    // The shard is the whole parameter already, but the scope gets a copy of its own all the same:
+    // what it changes must reach the shard only through end_summon, as with F > 1 (writeback =
+    // false discards it, rank0_only's rank 0 must not keep changes the others never see).
+    if (!keep) return;
+    full = shard_.clone();
+  } else {
+    InFlight f = comm_.issue(CommKind::ALL_GATHER, Over::SHARD_GROUP, index_, "parameters (summon_full_params)", [&] {
+      full = at::empty({layout_.padded_numel()}, shard_.options());
+      return Buffers{full, shard_};
+    });
+    comm_.wait(f);
+    if (!keep) return;
+  }
   summoned_ = full;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries()[i];
@@ -248,6 +255,30 @@ void FlatParamHandle::end_summon(bool writeback) {
   }
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(sharded_views_[i]);
   summoned_ = at::Tensor();
+}
+
+std::vector<int64_t> FlatParamHandle::summoned_checksums() const {
+  std::vector<int64_t> out;
+  if (!summoned_.defined()) return out;
+  at::NoGradGuard no_grad;
+  const size_t size = summoned_.element_size();
+  const auto word = size == 8 ? at::kLong : size == 4 ? at::kInt : size == 2 ? at::kShort : at::kByte;
+  constexpr int64_t kChunk = 1 << 20;
+  for (const auto& e : layout_.entries()) {
+    // The sum of each word times an odd weight, wrapping modulo 2^64: odd weights are invertible,
+    // so a change of any single word changes it.
+    const at::Tensor words = summoned_.narrow(0, e.offset, e.numel).view(word);
+    int64_t h = 0;
+    for (int64_t b = 0; b < e.numel; b += kChunk) {
+      const int64_t n = std::min(kChunk, e.numel - b);
+      const auto longs = at::TensorOptions().dtype(at::kLong).device(summoned_.device());
+      const at::Tensor w = words.narrow(0, b, n).to(at::kLong);
+      h = static_cast<int64_t>(static_cast<uint64_t>(h) +
+                               static_cast<uint64_t>(w.mul_(at::arange(b, b + n, longs).mul_(2).add_(1)).sum().item<int64_t>()));
+    }
+    out.push_back(h);
+  }
+  return out;
 }
 
 void FlatParamHandle::poison() {

@@ -96,11 +96,15 @@ class FlatParamHandle {
   void set_secondary_size(int n) { secondary_size_ = n; }
   int secondary_size() const { return secondary_size_; }
   // summon_full_params: the whole parameters in the master dtype, in a buffer of their own (not
-  // the compute one: values must round-trip exactly). `keep` false: gather, then let go at once
-  // (the ranks other than 0 under rank0_only). end_summon copies this rank's part back into the
-  // shard when `writeback`.
+  // the compute one: values must round-trip exactly; with F = 1 a copy of the shard). `keep`
+  // false: gather, then let go at once (the ranks other than 0 under rank0_only). end_summon
+  // copies this rank's part back into the shard when `writeback`.
   void summon(bool keep);
   void end_summon(bool writeback);
+  // Inside summon_full_params (kept): one checksum of each parameter's bits in the whole copy.
+  // Every rank's copy came from one all-gather, so ranks that changed nothing, or made the same
+  // change, agree bit for bit; a change made on some ranks only shows.
+  std::vector<int64_t> summoned_checksums() const;
   // Between a forward and its backward, a unit left gathered (the root, the ZeRO-2 strategies) is
   // guarded (param_guard.h): anything but the root's own passes must ask the runtime first.
   void guard_gathered();

@@ -227,7 +227,8 @@ int64_t GradientReduction::finish() {
     if (grads_[i].defined()) reduced.narrow(0, s.shard_offset, s.length).add_(grads_[i].reshape(-1));
   }
   if (dt.grad != dt.master) reduced = reduced.to(dt.grad);
-  grad_shard_ = reduced;
+  grad_storage_ = reduced.storage().getWeakStorageImpl();
+  grad_storage_bytes_ = handle_.layout().shard_numel() * static_cast<int64_t>(reduced.element_size());
   const auto& entries = handle_.layout().entries();
   for (size_t i = 0; i < grads_.size(); ++i) {
     if (!r.got[i] && !grads_[i].defined()) continue;  // no gradient yet: stays None, as locally
@@ -253,9 +254,9 @@ void GradientReduction::restore() {
 int64_t GradientReduction::sharded_grad_bytes() const {
   for (const auto& p : handle_.params()) {
     const auto& g = p.grad();
-    if (g.defined() && grad_shard_.defined() &&
-        g.storage().unsafeGetStorageImpl() == grad_shard_.storage().unsafeGetStorageImpl()) {
-      return handle_.layout().shard_numel() * static_cast<int64_t>(grad_shard_.element_size());
+    // A storage alive at the address the weak reference holds is that storage (it keeps it).
+    if (g.defined() && !grad_storage_.expired() && g.storage().unsafeGetStorageImpl() == grad_storage_._unsafe_get_target()) {
+      return grad_storage_bytes_;
     }
   }
   return 0;

@@ -104,7 +104,10 @@ class GradientReduction {
   Form form_ = Form::SHARDED;
   bool stashed_ = false;            // grads_ holds this iteration's stashed SHARDED gradients
   std::vector<at::Tensor> grads_;   // stashed, then the reduced sharded gradients, per parameter
-  at::Tensor grad_shard_;           // [shard_numel] storage behind the reduced grads_
+  // The storage behind the reduced gradients the parameters hold, by a weak reference: the
+  // parameters' .grad own it, so that zero_grad (to None) frees it, as in local training.
+  c10::weak_intrusive_ptr<c10::StorageImpl> grad_storage_{c10::intrusive_ptr<c10::StorageImpl>()};
+  int64_t grad_storage_bytes_ = 0;
   std::optional<Pending> pending_;
 };
 

@@ -47,6 +47,17 @@ void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::T
           "of forwards you will not backward (or run them under torch::NoGradGuard), then step.");
     }
   }
+  if (h.state() == HandleState::SHARDED && comm_.mesh().shard_size > 1 && name == "aten::clone" &&
+      tensor.unsafeGetTensorImpl() == h.params()[param].unsafeGetTensorImpl()) {
+    // The parameter itself, as libtorch's Module::clone() copies each (an EMA or a teacher model):
+    // the copy would be a model of 1-D shards, failing in its first forward with a shape error.
+    throw Refusal(
+        "fsdp: clone of parameter '" + fqn + "' outside forward, where it holds this rank's 1-D shard (" +
+        std::to_string(h.slices()[param].length) + " of " + std::to_string(h.layout().entries()[param].numel) +
+        " elements): a Module::clone() of the wrapped model, or a copy of this parameter, would hold shards, not "
+        "the model. Clone inside summon_full_params() to copy whole parameters (an EMA or a teacher model); to copy "
+        "this rank's shard itself, clone a view of it (p.detach().clone()).");
+  }
   if (h.state() == HandleState::SHARDED && comm_.mesh().shard_size > 1 && guard::consumes_module_shape(op.operator_name())) {
     throw std::invalid_argument(
         "fsdp: " + name + " was called on parameter '" + fqn + "' outside the root's forward, where it holds only "

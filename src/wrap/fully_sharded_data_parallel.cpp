@@ -9,7 +9,11 @@ FullyShardedDataParallelBase::FullyShardedDataParallelBase(std::shared_ptr<torch
                                                            std::shared_ptr<Mesh> mesh, Options options)
     : root_(std::make_shared<detail::ShardedRoot>(std::move(module), std::move(mesh), std::move(options))) {}
 
-void FullyShardedDataParallelBase::begin_forward() { root_->runtime().begin_forward(); }
+void FullyShardedDataParallelBase::begin_forward() {
+  root_->throw_pending_refusal();
+  root_->check_no_new_parameters();
+  root_->runtime().begin_forward();
+}
 void FullyShardedDataParallelBase::end_forward(bool ok) { root_->runtime().end_forward(ok); }
 
 std::optional<c10::ScalarType> FullyShardedDataParallelBase::input_dtype() const {
@@ -50,6 +54,7 @@ FullyShardedDataParallelBase::Unsharded::~Unsharded() {
   if (root_) root_->runtime().unpin(units_);
 }
 FullyShardedDataParallelBase::Unsharded FullyShardedDataParallelBase::unshard(const std::vector<std::string>& unit_names) {
+  root_->throw_pending_refusal();
   std::vector<size_t> units = root_->unit_indices(unit_names);
   root_->runtime().pin(units);
   return Unsharded(root_.get(), std::move(units));

@@ -16,6 +16,7 @@
 #include "comm/mesh_info.h"
 #include "comm/mesh_state.h"
 #include "engine/model_fingerprint.h"
+#include "engine/param_key.h"
 #include "engine/unit_decomposition.h"
 
 namespace fsdp::detail {
@@ -28,6 +29,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   check_tensor_parallel();
   const int F = sharding_factor(options_, mesh_->world_size(), mesh_->env().local_world_size);
   ignored_ = ignored_tensors(*module_, options_);
+  check_not_wrapped_already();
   std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy, ignored_);
   {
     std::vector<std::string> names;
@@ -89,6 +91,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
     units.push_back(units_.back().get());
   }
   comm_->set_unit_names(std::move(names));
+  for (const auto& p : module_->parameters(true)) wrapped_params_.insert(p.unsafeGetTensorImpl());
   runtime_ = std::make_shared<Runtime>(std::move(units), *comm_, options_, reshards_after_forward(options_.strategy));
   runtime_->install_hooks();
   // A model built whole has just been freed, but for its shards: give that memory back.
@@ -118,6 +121,36 @@ void ShardedRoot::check_tensor_parallel() {
                                 " ranks, wrap the model over tensor_parallel->data_parallel() (the " +
                                 std::to_string(tp->data_parallel()->world_size()) + " data-parallel ranks), not " +
                                 "a mesh of " + std::to_string(mesh_->world_size()));
+  }
+}
+
+void ShardedRoot::check_not_wrapped_already() const {
+  // A parameter another wrapper already points at its shard (or gathered copy) carries fsdp's key:
+  // wrapping it again would flatten that wrapper's 1-D shards as if they were the parameters (its
+  // ranks' shapes differ) or, with F = 1, take the parameters away from the first wrapper. Local
+  // and alike on every rank: refused before any collective.
+  for (const auto& np : module_->named_parameters(true)) {
+    if (ignored_.count(np.value().unsafeGetTensorImpl()) || !param_key::has_key(np.value())) continue;
+    throw std::invalid_argument(
+        "fsdp: parameter '" + np.key() + "' already belongs to a FullyShardedDataParallel (it holds that wrapper's "
+        "shard): a model, or a module inside it, is wrapped once. Wrap the whole model once, and make the modules "
+        "that should be units of their own units with fsdp::fully_shard(*module) or Options::auto_wrap_policy "
+        "before wrapping it; for a second copy, build a new model.");
+  }
+}
+
+void ShardedRoot::check_no_new_parameters() const {
+  // A parameter the model gained after wrapping (a registered adapter, a replaced layer) is in no
+  // unit: never sharded, gathered or reduced, so every rank would train its own copy on its own
+  // rows. Local and alike on every rank (the same model): refused before the forward's first
+  // collective. One walk of the parameters per forward.
+  for (const auto& np : module_->named_parameters(true)) {
+    if (wrapped_params_.count(np.value().unsafeGetTensorImpl())) continue;
+    throw Refusal("fsdp: parameter '" + np.key() + "' was registered after the model was wrapped (a submodule "
+                  "registered or replaced since): it is in no unit, so every rank would train its own copy of it "
+                  "on its own rows, never averaged. Register every submodule before wrapping the model (or wrap a new "
+                  "model that has it), or take it away again (unregister_module) to go on; a module whose parameters "
+                  "are yours to keep consistent goes in Options::ignored_modules, before wrapping.");
   }
 }
 
@@ -200,6 +233,7 @@ void ShardedRoot::reset_step() {
 
 double ShardedRoot::clip_grad_norm(double max_norm, const std::vector<at::Tensor>& model_parallel) {
   runtime_->check_not_failed();
+  throw_pending_refusal();
   TORCH_CHECK(runtime_->at_rest(), "fsdp: clip_grad_norm_ must be called after backward, before the optimizer step, "
                                    "not between a forward and its backward");
   runtime_->check_no_unreduced_gradients("clip_grad_norm_");
@@ -218,6 +252,7 @@ double ShardedRoot::clip_grad_norm(double max_norm, const std::vector<at::Tensor
 
 void ShardedRoot::summon(bool rank0_only, bool writeback) {
   runtime_->check_not_failed();
+  throw_pending_refusal();
   TORCH_CHECK(!summoned_, "fsdp: summon_full_params is already active for this model; end the first scope first");
   TORCH_CHECK(!(rank0_only && writeback), "fsdp: summon_full_params(rank0_only, writeback) cannot write back: only "
                                           "rank 0 holds the whole parameters. Pass writeback = false.");
@@ -226,20 +261,79 @@ void ShardedRoot::summon(bool rank0_only, bool writeback) {
   const bool keep = !rank0_only || mesh_->rank() == 0;
   for (auto& u : units_) u->handle().summon(keep);
   summoned_ = true;
+  summon_writes_ = writeback;
   runtime_->set_summoned(true);
 }
 
 void ShardedRoot::check_checkpointable(const char* what) {
   runtime_->check_not_failed();
+  throw_pending_refusal();
   TORCH_CHECK(!summoned_, "fsdp: ", what, " cannot run inside a summon_full_params scope; end it first");
   TORCH_CHECK(runtime_->at_rest(), "fsdp: ", what, " must be called outside forward and backward, not between a "
                                    "forward and its backward");
 }
 
-void ShardedRoot::end_summon(bool writeback) {
+void ShardedRoot::end_summon(bool writeback) noexcept {
+  // Each rank writes back only its own shard of what it holds: a change made on some ranks only
+  // would land half-applied (F = W: the elements the changing ranks own) or on some replicas only
+  // (F < W), and training would go on from parameters no single process has. Compared first.
+  if (writeback && summon_writes_ && mesh_->world_size() > 1) writeback = summoned_values_agree();
   for (auto& u : units_) u->handle().end_summon(writeback);
   summoned_ = false;
+  summon_writes_ = false;
   runtime_->set_summoned(false);
+}
+
+bool ShardedRoot::summoned_values_agree() {
+  try {
+    std::vector<int64_t> sums;
+    for (const auto& u : units_) {
+      for (int64_t h : u->handle().summoned_checksums()) sums.push_back(h & ((1LL << 62) - 1));
+    }
+    if (sums.empty()) return true;
+    // max(h) and max(-h) per parameter in one all-reduce: equal on every rank exactly when they cancel.
+    const int64_t n = static_cast<int64_t>(sums.size());
+    at::Tensor t = at::empty({2 * n}, at::kLong);
+    for (int64_t i = 0; i < n; ++i) {
+      t[i] = sums[static_cast<size_t>(i)];
+      t[n + i] = -sums[static_cast<size_t>(i)];
+    }
+    InFlight f = comm_->issue(CommKind::SEQUENCE_CHECK, Over::WORLD, -1, "the summon_full_params writeback check",
+                              [&] { return Buffers{t, at::Tensor()}; });
+    comm_->wait(f);
+    const auto* v = t.data_ptr<int64_t>();
+    int64_t i = 0;
+    while (i < n && v[i] + v[n + i] == 0) ++i;
+    if (i == n) return true;
+    std::string fqn, unit;
+    for (const auto& u : units_) {
+      const auto& entries = u->handle().layout().entries();
+      if (i < static_cast<int64_t>(entries.size())) {
+        fqn = entries[static_cast<size_t>(i)].fqn;
+        unit = u->name();
+        break;
+      }
+      i -= static_cast<int64_t>(entries.size());
+    }
+    pending_refusal_ =
+        "fsdp: summon_full_params: the whole parameters written back when the scope ended differ across ranks "
+        "(parameter '" + fqn + "' of unit '" + unit + "', and maybe more): each rank would have kept its own "
+        "change in its own shard, and training would have gone on from parameters no single process holds. The "
+        "changes were discarded on every rank: the model is as it was before the scope. Make the same change on "
+        "every rank (compute or load the values on every rank, or broadcast rank 0's first), or use "
+        "summon_full_params({.writeback = false}) to change nothing.";
+  } catch (const std::exception& e) {
+    pending_refusal_ = std::string("fsdp: summon_full_params: the check that every rank wrote back the same values "
+                                   "failed, so nothing was written back: ") + e.what();
+  }
+  return false;
+}
+
+void ShardedRoot::throw_pending_refusal() {
+  if (pending_refusal_.empty()) return;
+  const std::string what = std::move(pending_refusal_);
+  pending_refusal_.clear();
+  throw Refusal(what);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ShardedRoot::unique_named_parameters() const {

@@ -6,6 +6,8 @@
 
 #include <memory>
 #include <optional>
+#include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -33,7 +35,14 @@ class ShardedRoot {
   void reset_step();
   double clip_grad_norm(double max_norm, const std::vector<at::Tensor>& model_parallel);
   void summon(bool rank0_only, bool writeback);
-  void end_summon(bool writeback);
+  // Ends the scope (never throws: a destructor's). With writeback, first compares the ranks' whole
+  // parameters: changed on some ranks only, they are discarded on every rank and the next call
+  // refuses (throw_pending_refusal).
+  void end_summon(bool writeback) noexcept;
+  // Throws, once, what end_summon refused (every rank alike); the entry points call it first.
+  void throw_pending_refusal();
+  // Throws when the model holds a parameter it did not hold when wrapped (forward calls it).
+  void check_no_new_parameters() const;
   std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;
   std::vector<UnitInfo> units() const;
   // The indices of the units named by module path ("" the root unit); every unit for none. Throws
@@ -57,9 +66,14 @@ class ShardedRoot {
 
  private:
   void check_tensor_parallel();
+  // Throws when a parameter belongs to another wrapper already (the model wrapped twice).
+  void check_not_wrapped_already() const;
   void materialize_buffers();
   void materialize_ignored();
   void broadcast_module_states();
+  // Whether every rank holds the same whole parameters at the end of a writeback scope; sets
+  // pending_refusal_ when not. A collective over the world (one small all-reduce).
+  bool summoned_values_agree();
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<Mesh> mesh_;
@@ -71,6 +85,9 @@ class ShardedRoot {
   std::vector<std::unique_ptr<Unit>> units_;
   std::shared_ptr<Runtime> runtime_;
   bool summoned_ = false;
+  std::unordered_set<const c10::TensorImpl*> wrapped_params_;  // every parameter at wrapping
+  bool summon_writes_ = false;        // the summon scope writes back
+  std::string pending_refusal_;       // end_summon's, thrown by the next call
   int64_t alloc_retries_at_reset_ = 0;
   int64_t step_ = 0;
 };
