@@ -14,6 +14,8 @@
 //                       know them without running the model: batch, sequence length, checkpointing)
 #pragma once
 
+#include <algorithm>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -77,10 +79,19 @@ struct MemoryPlan {
   // (taken as equal) and hands its gradients to a reduction. While unit j runs, the activations of
   // units not yet done, the root's gradients, unit j's gradients and the reduce-scatters still in
   // flight are alive; when it is done, its activations are gone and its reduce buffer is there.
-  // The largest such sum.
+  // The sharded gradients of the units done are alive too (those of unit j: its reduce buffer with
+  // F = 1, a slice of it otherwise). The largest such sum.
   int64_t backward_peak() const;
-  // The peak per rank: the state and backward's peak.
+  // The peak per rank: the state and backward's peak, for the usual loop, whose zero_grad (to
+  // None, libtorch's default) frees the sharded gradients before forward: backward builds them
+  // unit by unit (backward_peak counts those of the units done), and they are all held from its
+  // end through the optimizer step.
   int64_t total() const {
+    return sharded_params + adam_state + checkpoint_copy + ignored_state + std::max(backward_peak(), sharded_grads);
+  }
+  // A loop that keeps its gradients across backwards (accumulation without zero_grad in between,
+  // or zero_grad that zeroes instead of freeing) holds every sharded gradient through backward.
+  int64_t total_with_gradients_held() const {
     return sharded_params + sharded_grads + adam_state + checkpoint_copy + ignored_state + backward_peak();
   }
 };

@@ -141,10 +141,12 @@ int64_t MemoryPlan::backward_peak() const {
   int64_t peak = head_unsharded_params + activations + root_grads;
   for (int j = 0; j < n; ++j) {
     const int64_t in_flight = static_cast<int64_t>(std::min(j, reductions_in_flight)) * (reduce_buffer + replica_buffer);
+    // The sharded gradients of the j units done (taken as equal shares).
+    const int64_t done = sharded_grads * j / n;
     // While unit j runs its backward: its activations still held, its gradients accumulating.
-    const int64_t during = spread * (n - j) / n + root_grads + unit_grads + in_flight;
+    const int64_t during = spread * (n - j) / n + root_grads + unit_grads + in_flight + done;
     // When its backward is over: its activations freed, its gradients flattened into the buffer.
-    const int64_t after = spread * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight;
+    const int64_t after = spread * (n - j - 1) / n + root_grads + unit_grads + reduce_buffer + in_flight + done;
     peak = std::max({peak, peak_unsharded_params + gather_staging + during, peak_unsharded_params + gather_staging + after});
   }
   return peak;
