@@ -13,6 +13,7 @@
 #include "fsdp/deferred_init.h"
 #include "fsdp/tensor_parallel.h"
 #include "engine/grad_norm.h"
+#include "engine/param_key.h"
 #include "comm/mesh_info.h"
 #include "comm/mesh_state.h"
 #include "engine/model_fingerprint.h"
@@ -28,6 +29,19 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   check_tensor_parallel();
   const int F = sharding_factor(options_, mesh_->world_size(), mesh_->env().local_world_size);
   ignored_ = ignored_tensors(*module_, options_);
+  // A parameter another FullyShardedDataParallel manages (alive or destroyed: its parameters stay
+  // that wrapper's shards) carries fsdp's key. Wrapped again it would be flattened a second time:
+  // shards of shards under a sharded strategy, and under NO_SHARD two wrappers reducing one
+  // gradient. Refused before any collective, on every rank alike (every rank wraps the same way).
+  for (const auto& np : module_->named_parameters(true)) {
+    if (ignored_.count(np.value().unsafeGetTensorImpl()) || !param_key::has_key(np.value())) continue;
+    throw std::invalid_argument(
+        "fsdp: parameter '" + np.key() + "' is already managed by a FullyShardedDataParallel: a model (or any module "
+        "of it) is wrapped once, and its parameters stay that wrapper's shards even after the wrapper is gone. To run "
+        "it again, call the first wrapper's forward (under torch::NoGradGuard for inference); for a plain copy of the "
+        "whole model, take fsdp::full_state_dict or fsdp::export_full from the first wrapper and load it into a newly "
+        "built model");
+  }
   std::vector<UnitPlan> plans = decompose(*module_, options_.auto_wrap_policy, ignored_);
   {
     std::vector<std::string> names;
