@@ -158,21 +158,46 @@ void ShardedRoot::broadcast_module_states() {
   for (const auto& m : options_.ignored_modules) {
     for (const auto& b : m->buffers(true)) ignored_buffers.insert(b.unsafeGetTensorImpl());
   }
+  std::vector<bool> split;  // split for tensor parallelism: each TP rank's own part
   for (const auto& p : module_->parameters(true)) {
     if (ignored_.count(p.unsafeGetTensorImpl())) continue;
-    if (seen.insert(p.unsafeGetTensorImpl()).second) tensors.push_back(p.detach());
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    tensors.push_back(p.detach());
+    const auto placement = tensor_parallel_placement(p);
+    split.push_back(placement && placement->tp->size() > 1);
   }
   for (const auto& b : module_->buffers(true)) {
-    if (b.defined() && !ignored_buffers.count(b.unsafeGetTensorImpl())) tensors.push_back(b.detach());
+    if (!b.defined() || ignored_buffers.count(b.unsafeGetTensorImpl())) continue;
+    tensors.push_back(b.detach());
+    split.push_back(false);
   }
-  if (tensors.empty() || mesh_->world_size() == 1) return;
-  // On the tensors' own device (they have not moved to init_device yet).
-  const GroupPtr& group = MeshState::of(*mesh_).groups_for(mesh_->world_size(), tensors[0].device().type()).shard;
-  for (auto& t : tensors) {
-    std::vector<at::Tensor> one{t};
+  if (tensors.empty()) return;
+  if (mesh_->world_size() > 1) {
+    // On the tensors' own device (they have not moved to init_device yet).
+    const GroupPtr& group = MeshState::of(*mesh_).groups_for(mesh_->world_size(), tensors[0].device().type()).shard;
+    for (auto& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = 0;
+      wait_for(group->broadcast(one, opts), "broadcast of rank 0's parameters and buffers (sync_module_states)");
+    }
+  }
+  // With tensor parallelism the mesh is one TP place's data-parallel ranks: the broadcast above
+  // gave each TP rank its first DP rank's values. Split parameters are each TP rank's own part,
+  // but every TP rank must hold the same replicated parameters and buffers (each computes the
+  // same gradient for them, and nothing reduces them across the TP group): the first TP rank's
+  // values, so that the job's rank 0 decides them all. Ranks that built the model from different
+  // seeds would otherwise train different replicas of them, silently.
+  const auto& tp = options_.tensor_parallel;
+  if (!tp || tp->size() == 1) return;
+  const auto& tp_group = tp->group(tensors[0].device().type());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (split[i]) continue;
+    std::vector<at::Tensor> one{tensors[i]};
     c10d::BroadcastOptions opts;
     opts.rootRank = 0;
-    wait_for(group->broadcast(one, opts), "broadcast of rank 0's parameters and buffers (sync_module_states)");
+    wait_for(tp_group->broadcast(one, opts),
+             "broadcast of the first TP rank's replicated parameters and buffers (sync_module_states)");
   }
 }
 
