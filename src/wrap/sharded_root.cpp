@@ -65,7 +65,10 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
     if (options_.sync_module_states) {
       throw std::invalid_argument("fsdp: sync_module_states with a deferred_init model: there is nothing to broadcast "
                                   "yet, and replaying the recorded initialization gives every rank the same values "
-                                  "when every rank built the model with the same seed; drop sync_module_states");
+                                  "when every rank built the model with the same seed; drop sync_module_states. To "
+                                  "start every rank from weights in a file, wrap the model and load them with "
+                                  "fsdp::load_model_file (each rank reads only the elements it holds); or build the "
+                                  "model normally, load them on rank 0 and keep sync_module_states");
     }
     materialize_buffers();
     materialize_ignored();
