@@ -4,7 +4,11 @@
 // uneven and smaller-than-W sizes; deferred initialization with TP; rank 0 holding the only copy of
 // the weights; TP with sync_module_states; collective counts under TP; a hybrid TP checkpoint
 // round trip; the sharded gradient scaler on a 2-D mesh.
-#include <filesystem>
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include "conformance.h"
 #include "fsdp/deferred_init.h"
@@ -14,7 +18,33 @@
 namespace conformance {
 namespace {
 
-namespace fs = std::filesystem;
+
+// Folders by POSIX calls: std::filesystem here resolves to libtorch's own copy, built for another
+// library ABI (a crash in remove_all).
+std::vector<std::string> entries_of(const std::string& dir) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n != "." && n != "..") out.push_back(n);
+    }
+    ::closedir(d);
+  }
+  return out;
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& n : entries_of(path)) remove_tree(path + "/" + n);
+    ::rmdir(path.c_str());
+  } else {
+    ::unlink(path.c_str());
+  }
+}
+
+std::string file_name(const std::string& path) { return path.substr(path.rfind('/') + 1); }
 
 void barrier(const Ctx& c) {
   std::vector<at::Tensor> flag{torch::zeros({1})};
@@ -25,16 +55,15 @@ struct ScenarioDir {
   ScenarioDir(const Ctx& c, const std::string& name)
       : ctx(c), path("/tmp/c4-" + name + "-" + std::to_string(c.mesh->env().master_port)) {
     if (c.rank == 0) {
-      fs::remove_all(path);
-      fs::create_directories(path);
+      remove_tree(path);
+      ::mkdir(path.c_str(), 0755);
     }
     barrier(c);
   }
   ~ScenarioDir() {
     barrier(ctx);
     if (ctx.rank == 0) {
-      std::error_code ec;
-      fs::remove_all(path, ec);
+      remove_tree(path);
     }
   }
   std::string sub(const std::string& name) const { return path + "/" + name; }
@@ -45,7 +74,8 @@ struct ScenarioDir {
 // --- a deferred model: 1, 9 (uneven), 32 and 72 (even) element units, and a buffer ---------------
 
 struct ScaleImpl : torch::nn::Module {
-  ScaleImpl() { w = register_parameter("w", torch::randn({1}) * 0.1 + 1.0); }
+  // Initialized in place (uniform_, normal_): what deferred_init records.
+  ScaleImpl() { w = register_parameter("w", torch::empty({1}).uniform_(0.9, 1.1)); }
   torch::Tensor w;
 };
 TORCH_MODULE(Scale);
@@ -53,7 +83,7 @@ TORCH_MODULE(Scale);
 struct ShiftBlockImpl : torch::nn::Module {
   ShiftBlockImpl() {
     fc = register_module("fc", torch::nn::Linear(8, 8));
-    shift = register_buffer("shift", torch::randn({8}) * 0.1);
+    shift = register_buffer("shift", torch::empty({8}).normal_(0.0, 0.1));
   }
   torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x) + shift) + x; }
   torch::nn::Linear fc{nullptr};
@@ -214,7 +244,7 @@ struct TpBlockImpl : torch::nn::Module {
   TpBlockImpl() {
     up = register_module("up", torch::nn::Linear(8, 16));
     down = register_module("down", torch::nn::Linear(16, 8));
-    shift = register_buffer("shift", torch::randn({8}) * 0.1);
+    shift = register_buffer("shift", torch::empty({8}).normal_(0.0, 0.1));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return x + fsdp::row_parallel(down, torch::relu(fsdp::column_parallel(up, x))) + shift;

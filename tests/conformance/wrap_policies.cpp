@@ -34,11 +34,12 @@ void expect_units(Ctx& c, const std::vector<fsdp::UnitInfo>& units, const std::s
   c.expect(got == want, "the units are " + unit_names(units) + ", expected " + set_text(want));
 }
 
-const fsdp::UnitInfo* unit_named(const std::vector<fsdp::UnitInfo>& units, const std::string& name) {
+// A copy: units() returns a new list each call.
+std::optional<fsdp::UnitInfo> unit_named(const std::vector<fsdp::UnitInfo>& units, const std::string& name) {
   for (const auto& u : units) {
-    if (u.name == name) return &u;
+    if (u.name == name) return u;
   }
-  return nullptr;
+  return std::nullopt;
 }
 
 // Averages the gradients of parameters every rank holds whole (ignored by fsdp, replicated): what
@@ -52,11 +53,18 @@ void average_over_ranks(const Ctx& c, const std::vector<torch::Tensor>& params) 
   }
 }
 
+// A Sequential that can sit inside another (libtorch's own cannot: its forward is a template).
+struct InnerSequentialImpl : torch::nn::SequentialImpl {
+  using SequentialImpl::SequentialImpl;
+  torch::Tensor forward(const torch::Tensor& x) { return SequentialImpl::forward(x); }
+};
+TORCH_MODULE(InnerSequential);
+
 // PyTorch's NestedSequentialModel: Sequential(Linear(5,5), Linear(5,5), Sequential(Linear(5,5),
 // Linear(5,5))), 30 elements per Linear.
 torch::nn::Sequential nested_sequential() {
   return torch::nn::Sequential(torch::nn::Linear(5, 5), torch::nn::Linear(5, 5),
-                               torch::nn::Sequential(torch::nn::Linear(5, 5), torch::nn::Linear(5, 5)));
+                               InnerSequential(torch::nn::Linear(5, 5), torch::nn::Linear(5, 5)));
 }
 
 // Steps of a loop on any wrapped model and its local twin: global batch of 8 rows of `in` columns,
@@ -104,8 +112,8 @@ CONFORMANCE_CASE(WrapPolicies, SizeBasedPolicyMergesSmallChildrenUpward, 4,
     // Bottom-up: no Linear (30) reaches 40; the inner Sequential (60) does; the rest is the root's.
     const auto units = model.units();
     expect_units(c, units, {"2", ""});
-    if (const auto* u = unit_named(units, "2")) c.expect(u->numel == 60, "unit '2' holds both inner Linears (60 elements)");
-    if (const auto* u = unit_named(units, "")) c.expect(u->numel == 60, "the root unit holds Linears 0 and 1 (60 elements)");
+    if (const auto u = unit_named(units, "2")) c.expect(u->numel == 60, "unit '2' holds both inner Linears (60 elements)");
+    if (const auto u = unit_named(units, "")) c.expect(u->numel == 60, "the root unit holds Linears 0 and 1 (60 elements)");
     train_like_local(c, model, local, 5, 5, 3);
     expect_same_model(c, model, *mine.ptr(), *local.ptr(), 1e-5);
   });
@@ -184,7 +192,7 @@ CONFORMANCE_CASE(WrapPolicies, SizeBasedPolicyNeverMakesAContainerAUnit, 4,
     o.auto_wrap_policy = fsdp::size_based_policy(100);
     fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
     expect_units(c, model.units(), {"attn", ""});
-    if (const auto* u = unit_named(model.units(), "")) c.expect(u->numel == 4 * 72, "the root holds the containers' four Linears");
+    if (const auto u = unit_named(model.units(), "")) c.expect(u->numel == 4 * 72, "the root holds the containers' four Linears");
     // A threshold the Linears reach: each becomes a unit, the containers never.
     torch::manual_seed(0);
     Containers small;
@@ -251,7 +259,7 @@ CONFORMANCE_CASE(WrapPolicies, CombinedPoliciesMakeEveryBatchNormItsOwnUnit, 4,
     fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
     // Every BatchNorm, also inside a block the other policy picks; the blocks keep their Linear.
     expect_units(c, model.units(), {"bn", "b0.bn", "b0", "b1.bn", "b1", ""});
-    if (const auto* u = unit_named(model.units(), "b0")) c.expect(u->numel == 72, "block b0's unit holds its Linear only");
+    if (const auto u = unit_named(model.units(), "b0")) c.expect(u->numel == 72, "block b0's unit holds its Linear only");
     // Each rank normalizes its own rows, as DDP does: local training runs each rank's rows through
     // the BatchNorms apart and averages the W losses (the running statistics, updated W times
     // there, are not compared).
@@ -321,7 +329,7 @@ CONFORMANCE_CASE(WrapPolicies, FullyShardMarksAreTheOnlySourceOfUnits, 4,
     fsdp::FullyShardedDataParallel model(mine, c.mesh, v.options);  // no auto_wrap_policy
     const auto units = model.units();
     expect_units(c, units, {"emb", "blocks.1", ""});
-    if (const auto* u = unit_named(units, "blocks.1")) {
+    if (const auto u = unit_named(units, "blocks.1")) {
       c.expect(u->fqns == std::vector<std::string>{"blocks.1.fc.weight", "blocks.1.fc.bias"}, "blocks.1 holds its Linear");
     }
     torch::optim::SGD optim(model.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -372,7 +380,7 @@ CONFORMANCE_CASE(WrapPolicies, IgnoredModulesDoNotCountTowardTheSizeThreshold, 4
     } else {
       // Without the ignored 2.0, the inner Sequential holds 30 < 40: everything is the root's.
       expect_units(c, model.units(), {""});
-      if (const auto* u = unit_named(model.units(), "")) {
+      if (const auto u = unit_named(model.units(), "")) {
         c.expect(u->fqns == std::vector<std::string>{"0.weight", "0.bias", "2.1.weight", "2.1.bias"},
                  "the root unit holds Linears 0 and 2.1 only");
       }
@@ -423,7 +431,7 @@ CONFORMANCE_CASE(WrapPolicies, IgnoredParametersAreLeftOutOfTheirUnits, 4,
                                                    std::to_string(ignored_numel) + " ignored");
     if (!as_module) {
       // The weight's own unit keeps its bias, and only that.
-      if (const auto* u = unit_named(model.units(), "blocks.0")) {
+      if (const auto u = unit_named(model.units(), "blocks.0")) {
         c.expect(u->fqns == std::vector<std::string>{"blocks.0.fc.bias"} && u->numel == 8,
                  "blocks.0's unit holds blocks.0.fc.bias alone");
       } else {
