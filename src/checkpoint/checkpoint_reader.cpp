@@ -322,6 +322,9 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
     if (!missing.empty()) why += " the model's " + list(missing) + " not in it;";
     if (!unexpected.empty()) why += " it holds " + list(unexpected) + ", which the model lacks;";
     if (!mismatched.empty()) why += " shapes differ for " + list(mismatched) + ";";
+    // A file of only some of the model's tensors (PyTorch's strict=False) is refused whole: say how
+    // to set those it has.
+    if (!missing.empty()) why += " to set only the tensors a file holds, copy them in inside summon_full_params();";
     fail(saved.origin, why + " (a checkpoint of another model or configuration?)");
   }
   for (auto& r : reads) {
