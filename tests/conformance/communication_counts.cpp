@@ -70,14 +70,23 @@ fsdp::Options blocks_as_units(const Variant& v) {
 CONFORMANCE_CASE(CommunicationCounts, CollectiveCallsPerIterationFollowThePaper, 4,
                  "#175, #219: FSDP1 test_fsdp_comm test_communication [use_no_sync, SHARD_GRAD_OP/FULL_SHARD]; FSDP2 "
                  "test_fully_shard_training test_gradient_accumulation (comm counts per micro-batch, FSDP and HSDP)") {
-  for_each(c, every_strategy(c), [&](const Variant& v) {
+  // The nested model (blocks as units) under every strategy; the flat one (the root the only
+  // unit) under the two PyTorch's test runs.
+  std::vector<Variant> variants = every_strategy(c);
+  for (const char* s : {"full_shard", "shard_grad_op"}) {
+    Variant v = strategy(c, s);
+    v.name += ", the root the only unit";
+    variants.push_back(v);
+  }
+  for_each(c, variants, [&](const Variant& v) {
+    const bool flat = v.name.find("only unit") != std::string::npos;
     torch::manual_seed(0);
     Net mine;
     torch::manual_seed(0);
     Net local;
-    fsdp::FullyShardedDataParallel model(mine, c.mesh, blocks_as_units(v));
+    fsdp::FullyShardedDataParallel model(mine, c.mesh, flat ? v.options : blocks_as_units(v));
     const int64_t N = static_cast<int64_t>(model.units().size());
-    c.expect(N == 4, "three blocks and the root are the units");
+    c.expect(N == (flat ? 1 : 4), flat ? "the root is the only unit" : "three blocks and the root are the units");
     const int F = model.shard_size(), R = c.world / F;
     const bool raf = reshards_after_forward(v.options.strategy);
     // The paper's schedule (§3.2, §3.3): with F > 1 every unit is gathered for its forward, and
