@@ -262,6 +262,10 @@ std::string error_of(Fn&& fn) {
   try {
     fn();
     return "";
+  } catch (const c10::Error& e) {
+    // The message the other ranks get too: without this rank's backtrace.
+    std::string msg = e.what_without_backtrace();
+    return msg.empty() ? "unknown error" : msg;
   } catch (const std::exception& e) {
     std::string msg = e.what();
     return msg.empty() ? "unknown error" : msg;
@@ -494,7 +498,11 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
                                 " ranks and the model is trained by " + std::to_string(job_size(root)) +
                                 "; with tensor parallelism give it the job's mesh (TensorParallel::world())");
   }
-  RankState rs = collect_rank_state(root, optimizer);
+  // What this rank holds, by name. It throws on a rank whose optimizer steps a tensor that is not
+  // the model's (or is of a class checkpoints do not know): every rank learns it here, instead of
+  // the others waiting out the collective timeout in the next collective.
+  RankState rs;
+  agree(impl_->group, error_of([&] { rs = collect_rank_state(root, optimizer); }), "saving a checkpoint (nothing was saved)");
   check_same_optimizer_on_all_ranks(impl_->group, rs);
   nlohmann::json manifest = manifest_base(root, kind, rs, state, scaler);
   const std::string final_path = dir_ + "/" + step_name(state.step);
