@@ -805,6 +805,25 @@ CONFORMANCE_CASE(CheckpointEdgeCases, OptimizerLackingAParameterOnOneRankIsRefus
         }
       }
     }
+    // Rank 2's optimizer also steps a tensor that is not the model's: refused on every rank at once
+    // (not after the others waited out a collective timeout), nothing written.
+    torch::Tensor stray = torch::zeros({3}, torch::requires_grad());
+    std::vector<torch::Tensor> with_stray = model.parameters();
+    if (c.rank == 2) with_stray.push_back(stray);
+    torch::optim::AdamW odd(with_stray, torch::optim::AdamWOptions(1e-2));
+    {
+      const std::string folder = dir.sub(std::to_string(run++));
+      {
+        fsdp::Checkpointer ckpt(c.mesh, folder, {StateDictKind::SHARDED});
+        c.expect_refused("a save of optimizers of which rank 2's steps a tensor that is not the model's",
+                         [&] { ckpt.save(model, &odd, {2}); }, {"rank 2", "not a parameter of this wrapped model"});
+      }
+      if (c.rank == 0) {
+        for (const auto& name : entries_of(folder)) {
+          c.expect(name == ".lock", "the refused save left " + name + " in its folder");
+        }
+      }
+    }
   });
 }
 
