@@ -4,7 +4,6 @@
 // of local training, so every TP rank starts from local training's exact values by slicing them),
 // and the same model source runs with and without TP. docs/design.md, "Two dimensions".
 #include "fsdp/tensor_parallel.h"
-#include "fsdp/deferred_init.h"
 
 #include <c10/core/GradMode.h>
 #include <c10/util/intrusive_ptr.h>
@@ -127,14 +126,6 @@ void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>
     if (!done.insert(p.unsafeGetTensorImpl()).second) continue;
     if (tensor_parallel_placement(p)) {
       throw std::invalid_argument("fsdp::parallelize: parameter '" + name + "' is split already; apply a plan once");
-    }
-    // A deferred parameter has no values yet and a record of how to make the whole tensor: its
-    // part would keep neither (the wrapper then failed in materialization, far from the cause).
-    if (is_deferred(p)) {
-      throw std::invalid_argument("fsdp::parallelize: parameter '" + name + "' was made by deferred_init and holds no "
-                                  "values yet; tensor parallelism splits a model built whole (deferred initialization "
-                                  "is not supported with TP): build the model normally, every TP rank from the same "
-                                  "seed, then parallelize and wrap it");
     }
     const TensorParallelShard& shard = plan[rule].shard;
     const int64_t dim = shard.dim < 0 ? shard.dim + p.dim() : shard.dim;
