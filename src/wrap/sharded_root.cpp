@@ -49,6 +49,23 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
     check_unit_names_for_hpz(options_, names);
   }
 
+  // A meta parameter with no recorded initialization cannot be materialized: a deferred_init
+  // model split by fsdp::parallelize (its parts keep no record; tensor parallelism splits a model
+  // built whole), or a model moved to the meta device by other means. Refused here, by name, on
+  // every rank alike, rather than from inside materialization.
+  for (const auto& plan : plans) {
+    for (size_t i = 0; i < plan.params.size(); ++i) {
+      const at::Tensor& p = plan.params[i];
+      if (!p.is_meta() || is_deferred(p)) continue;
+      throw std::invalid_argument(
+          "fsdp: parameter '" + plan.fqns[i] + "' is a meta tensor without a recorded initialization to make its "
+          "values from" + std::string(tensor_parallel_placement(p) ? " (a deferred_init model split by "
+          "fsdp::parallelize: tensor parallelism splits a model built whole, so build it normally, every TP rank from "
+          "the same seed, then parallelize and wrap it)" : "") + "; build the model with fsdp::deferred_init, or "
+          "normally");
+    }
+  }
+
   // Every rank must cut the same model the same way: compared before the first collective on
   // parameters.
   const std::string desc = describe_model(*module_, plans, options_, F, ignored_);
