@@ -114,7 +114,10 @@ WrapPolicy module_type_policy() {
 }
 
 // A module becomes a unit once its subtree holds at least `min_numel` unclaimed elements
-// (like PyTorch's size_based_auto_wrap_policy).
+// (like PyTorch's size_based_auto_wrap_policy). A ModuleList or ModuleDict never does (its
+// children may; what they leave goes to the module above). Unlike PyTorch, the children of a
+// MultiheadAttention are not kept with it: its out_proj may become a unit of its own, which the
+// attention's functional forward gathers like any other (fsdp sees a unit run by its parameters).
 WrapPolicy size_based_policy(int64_t min_numel);
 
 // What one rank may hold, checked against the memory plan (fsdp/plan.h) when a model is wrapped,

@@ -17,6 +17,8 @@
 // A rank that dies before COMMIT leaves only a .tmp folder: the previous checkpoints are untouched.
 #include "fsdp/checkpoint.h"
 
+
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -183,6 +185,60 @@ std::string buffers_that_differ(const GroupPtr& group, detail::ShardedRoot& root
   return list + " differ across ranks (rank " + std::to_string(first_rank) + "'s from rank 0's)";
 }
 
+// Every rank's optimizer must step the same parameters in the same groups (in any order): the
+// manifest records rank 0's groups, and a rank whose optimizer lacks a parameter would save no
+// state for its piece of it, a checkpoint that resumes that parameter from nothing. Collective:
+// throws on every rank, naming the rank and the parameters, before anything is written.
+void check_same_optimizer_on_all_ranks(const GroupPtr& group, const RankState& rs) {
+  nlohmann::json mine = nullptr;  // no optimizer given
+  if (rs.optimizer) {
+    std::vector<std::vector<std::string>> groups;
+    for (const auto& g : rs.optimizer->groups) {
+      std::vector<std::string> names = g.at("params").get<std::vector<std::string>>();
+      std::sort(names.begin(), names.end());
+      groups.push_back(std::move(names));
+    }
+    std::sort(groups.begin(), groups.end());
+    mine = groups;
+  }
+  const auto all = all_gather_strings(group, mine.dump());
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    const auto theirs = nlohmann::json::parse(all[r]), first = nlohmann::json::parse(all[0]);
+    auto names_of = [](const nlohmann::json& j) {
+      std::set<std::string> out;
+      if (j.is_array()) {
+        for (const auto& g : j) {
+          for (const auto& n : g) out.insert(n.get<std::string>());
+        }
+      }
+      return out;
+    };
+    const auto a = names_of(first), b = names_of(theirs);
+    auto list = [](const std::set<std::string>& s) {
+      std::string out;
+      for (const auto& n : s) out += (out.empty() ? "" : ", ") + n;
+      return out;
+    };
+    std::set<std::string> lacks, extra;
+    for (const auto& n : a) if (!b.count(n)) lacks.insert(n);
+    for (const auto& n : b) if (!a.count(n)) extra.insert(n);
+    const std::string who = "rank " + std::to_string(r) + "'s optimizer";
+    std::string what;
+    if (first.is_null() != theirs.is_null()) {
+      what = first.is_null() ? who + " was given and rank 0's was not" : who + " was not given and rank 0's was";
+    } else if (!lacks.empty() || !extra.empty()) {
+      if (!lacks.empty()) what = who + " lacks " + list(lacks) + ", which rank 0's steps";
+      if (!extra.empty()) what += (what.empty() ? who : std::string(", and")) + " steps " + list(extra) + ", which rank 0's lacks";
+    } else {
+      what = who + " groups the parameters otherwise than rank 0's";
+    }
+    throw std::invalid_argument("fsdp: saving a checkpoint: the optimizers differ across ranks: " + what +
+                                ". Every rank must build its optimizer from the same parameters in the same groups "
+                                "(the wrapper's parameters(), in any order); nothing was saved");
+  }
+}
+
 // What a manifest would say of the optimizer, for a PyTorch checkpoint: its type is taken to be
 // this optimizer's (the state tensors' names, checked by stage_optimizer, must fit it), the step
 // counts are the files', and the groups with their hyper-parameters are those of the folder's
@@ -255,6 +311,10 @@ std::string error_of(Fn&& fn) {
   try {
     fn();
     return "";
+  } catch (const c10::Error& e) {
+    // The message the other ranks get too: without this rank's backtrace.
+    std::string msg = e.what_without_backtrace();
+    return msg.empty() ? "unknown error" : msg;
   } catch (const std::exception& e) {
     std::string msg = e.what();
     return msg.empty() ? "unknown error" : msg;
@@ -499,7 +559,12 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
                   "exact, make them equal before saving (average them over the ranks with the mesh's world() group).\n")
               << std::flush;
   }
-  RankState rs = collect_rank_state(root, optimizer);
+  // What this rank holds, by name. It throws on a rank whose optimizer steps a tensor that is not
+  // the model's (or is of a class checkpoints do not know): every rank learns it here, instead of
+  // the others waiting out the collective timeout in the next collective.
+  RankState rs;
+  agree(impl_->group, error_of([&] { rs = collect_rank_state(root, optimizer); }), "saving a checkpoint (nothing was saved)");
+  check_same_optimizer_on_all_ranks(impl_->group, rs);
   nlohmann::json manifest = manifest_base(root, kind, rs, state, scaler);
   const std::string final_path = dir_ + "/" + step_name(state.step);
   // The first replica writes a SHARDED checkpoint (the others hold the same shards); every rank

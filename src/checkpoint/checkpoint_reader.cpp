@@ -330,6 +330,9 @@ void stage_model(detail::ShardedRoot& root, const SavedTensors& saved, StagedLoa
     if (!missing.empty()) why += " the model's " + list(missing) + " not in it;";
     if (!unexpected.empty()) why += " it holds " + list(unexpected) + ", which the model lacks;";
     if (!mismatched.empty()) why += " shapes differ for " + list(mismatched) + ";";
+    // A file of only some of the model's tensors (PyTorch's strict=False) is refused whole: say how
+    // to set those it has.
+    if (!missing.empty()) why += " to set only the tensors a file holds, copy them in inside summon_full_params();";
     fail(saved.origin, why + " (a checkpoint of another model or configuration?)");
   }
   for (auto& r : reads) {
@@ -356,6 +359,8 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
     std::set<std::string> names;
     for (const auto& p : group.params()) names.insert(name_of.count(p.unsafeGetTensorImpl()) ? name_of[p.unsafeGetTensorImpl()] : "?");
     const nlohmann::json* match = nullptr;
+    std::set<std::string> closest;  // the saved group sharing the most parameters with this one
+    size_t closest_shared = 0;
     for (const auto& g : mo.at("groups")) {
       std::set<std::string> saved_names;
       for (const auto& n : g.at("params")) {
@@ -364,11 +369,30 @@ void stage_optimizer(detail::ShardedRoot& root, torch::optim::Optimizer& optimiz
         saved_names.insert(a == saved.alias_of.end() ? s : a->second);
       }
       if (saved_names == names) match = &g;
+      size_t shared = 0;
+      for (const auto& n : names) shared += saved_names.count(n);
+      if (shared > closest_shared) {
+        closest_shared = shared;
+        closest = saved_names;
+      }
     }
     if (!match) {
+      // Name the parameters that differ from the closest saved group (a parameter left out of
+      // this rank's optimizer, one added), so that the message says what to change.
+      std::string lacks, extra;
+      for (const auto& n : closest) {
+        if (!names.count(n)) lacks += (lacks.empty() ? "" : ", ") + n;
+      }
+      for (const auto& n : names) {
+        if (!closest.count(n)) extra += (extra.empty() ? "" : ", ") + n;
+      }
+      std::string diff;
+      if (!lacks.empty()) diff += "; it lacks " + lacks + ", which the saved group has";
+      if (!extra.empty()) diff += "; it has " + extra + ", which the saved group lacks";
       fail(saved.origin, "no saved optimizer group has the parameters of this optimizer's group that starts with " +
-                             (names.empty() ? std::string("(empty)") : *names.begin()) +
-                             " (the optimizer was built with other groups)");
+                             (names.empty() ? std::string("(empty)") : *names.begin()) + diff +
+                             " (the optimizer was built with other groups: build it from the same parameters and "
+                             "groups as the one saved)");
     }
     // Checked now on a copy, so that apply() cannot fail halfway.
     torch::optim::OptimizerParamGroup probe(std::vector<at::Tensor>{}, group.options().clone());

@@ -358,9 +358,17 @@ void MeshState::check_same_on_all_ranks(const std::string& what, uint64_t finger
   if (bad < 0) return;
   auto text = store->get(key + "0");
   const std::string ref(text.begin(), text.end());
+  // The difference shown is this rank's from rank 0's; on a rank that agrees with rank 0 (rank 0
+  // itself), the first differing rank's, so that every rank's message says what differs.
+  std::string other = describe, who = "this rank";
+  if (describe == ref) {
+    auto t = store->get(key + std::to_string(bad));
+    other.assign(t.begin(), t.end());
+    who = "rank " + std::to_string(bad);
+  }
   std::string diff = "";
-  if (describe != ref) {
-    std::istringstream a(describe), b(ref);
+  if (other != ref) {
+    std::istringstream a(other), b(ref);
     std::string la, lb;
     int line = 0;
     while (true) {
@@ -368,7 +376,7 @@ void MeshState::check_same_on_all_ranks(const std::string& what, uint64_t finger
       ++line;
       if (!ga && !gb) break;
       if (!ga || !gb || la != lb) {
-        diff = " First difference (item " + std::to_string(line) + "): this rank has '" +
+        diff = " First difference (item " + std::to_string(line) + "): " + who + " has '" +
                (ga ? la : "<nothing>") + "', rank 0 has '" + (gb ? lb : "<nothing>") + "'.";
         break;
       }

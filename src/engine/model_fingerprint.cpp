@@ -23,7 +23,8 @@ std::string describe_model(const torch::nn::Module& root, const std::vector<Unit
   for (const auto& item : root.named_parameters(true)) {
     if (ignored.count(item.value().unsafeGetTensorImpl())) {
       // The caller's (e.g. this rank's rows of a table): the name and dtype must agree, the shape may not.
-      desc << "ignored param " << item.key() << " " << item.value().dtype() << "\n";
+      desc << "ignored param " << item.key() << " " << item.value().dtype()
+           << " (ignored parameters may differ in shape across ranks, not in name or number)\n";
       continue;
     }
     desc << "param " << item.key() << " " << item.value().sizes() << " " << item.value().dtype()

@@ -2,6 +2,9 @@
 
 #include <stdexcept>
 
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/modulelist.h>
+
 namespace fsdp {
 
 ShardingStrategy parse_strategy(const std::string& name) {
@@ -92,7 +95,12 @@ std::string dtype_name(c10::ScalarType dtype) {
 }
 
 WrapPolicy size_based_policy(int64_t min_numel) {
-  return [min_numel](const std::string&, const torch::nn::Module&, int64_t unclaimed) {
+  return [min_numel](const std::string&, const torch::nn::Module& m, int64_t unclaimed) {
+    // As PyTorch's exclude_wrap_modules: a container is a list of modules, not one that runs; its
+    // children may be units, and what they leave goes up to the module that calls them.
+    if (dynamic_cast<const torch::nn::ModuleListImpl*>(&m) || dynamic_cast<const torch::nn::ModuleDictImpl*>(&m)) {
+      return false;
+    }
     return unclaimed >= min_numel;
   };
 }

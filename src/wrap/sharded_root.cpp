@@ -13,6 +13,7 @@
 #include "fsdp/deferred_init.h"
 #include "fsdp/tensor_parallel.h"
 #include "engine/grad_norm.h"
+#include "engine/param_key.h"
 #include "comm/mesh_info.h"
 #include "comm/mesh_state.h"
 #include "engine/model_fingerprint.h"
@@ -37,6 +38,23 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
     check_unit_names_for_hpz(options_, names);
   }
 
+  // A meta parameter with no recorded initialization cannot be materialized: a deferred_init
+  // model split by fsdp::parallelize (its parts keep no record; tensor parallelism splits a model
+  // built whole), or a model moved to the meta device by other means. Refused here, by name, on
+  // every rank alike, rather than from inside materialization.
+  for (const auto& plan : plans) {
+    for (size_t i = 0; i < plan.params.size(); ++i) {
+      const at::Tensor& p = plan.params[i];
+      if (!p.is_meta() || is_deferred(p)) continue;
+      throw std::invalid_argument(
+          "fsdp: parameter '" + plan.fqns[i] + "' is a meta tensor without a recorded initialization to make its "
+          "values from" + std::string(tensor_parallel_placement(p) ? " (a deferred_init model split by "
+          "fsdp::parallelize: tensor parallelism splits a model built whole, so build it normally, every TP rank from "
+          "the same seed, then parallelize and wrap it)" : "") + "; build the model with fsdp::deferred_init, or "
+          "normally");
+    }
+  }
+
   // Every rank must cut the same model the same way: compared before the first collective on
   // parameters.
   const std::string desc = describe_model(*module_, plans, options_, F, ignored_);
@@ -56,7 +74,10 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
     if (options_.sync_module_states) {
       throw std::invalid_argument("fsdp: sync_module_states with a deferred_init model: there is nothing to broadcast "
                                   "yet, and replaying the recorded initialization gives every rank the same values "
-                                  "when every rank built the model with the same seed; drop sync_module_states");
+                                  "when every rank built the model with the same seed; drop sync_module_states. To "
+                                  "start every rank from weights in a file, wrap the model and load them with "
+                                  "fsdp::load_model_file (each rank reads only the elements it holds); or build the "
+                                  "model normally, load them on rank 0 and keep sync_module_states");
     }
     materialize_buffers();
     materialize_ignored();
@@ -133,9 +154,11 @@ void ShardedRoot::check_not_wrapped_already() const {
     if (ignored_.count(np.value().unsafeGetTensorImpl()) || !param_key::has_key(np.value())) continue;
     throw std::invalid_argument(
         "fsdp: parameter '" + np.key() + "' already belongs to a FullyShardedDataParallel (it holds that wrapper's "
-        "shard): a model, or a module inside it, is wrapped once. Wrap the whole model once, and make the modules "
-        "that should be units of their own units with fsdp::fully_shard(*module) or Options::auto_wrap_policy "
-        "before wrapping it; for a second copy, build a new model.");
+        "shard, even after the wrapper is gone): a model, or a module inside it, is wrapped once. Wrap the whole "
+        "model once, and make the modules that should be units of their own units with fsdp::fully_shard(*module) "
+        "or Options::auto_wrap_policy before wrapping it. To run it again, call the first wrapper's forward (under "
+        "torch::NoGradGuard for inference); for a plain copy, take fsdp::full_state_dict or fsdp::export_full from "
+        "the first wrapper and load it into a newly built model.");
   }
 }
 
@@ -188,21 +211,46 @@ void ShardedRoot::broadcast_module_states() {
   for (const auto& m : options_.ignored_modules) {
     for (const auto& b : m->buffers(true)) ignored_buffers.insert(b.unsafeGetTensorImpl());
   }
+  std::vector<bool> split;  // split for tensor parallelism: each TP rank's own part
   for (const auto& p : module_->parameters(true)) {
     if (ignored_.count(p.unsafeGetTensorImpl())) continue;
-    if (seen.insert(p.unsafeGetTensorImpl()).second) tensors.push_back(p.detach());
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    tensors.push_back(p.detach());
+    const auto placement = tensor_parallel_placement(p);
+    split.push_back(placement && placement->tp->size() > 1);
   }
   for (const auto& b : module_->buffers(true)) {
-    if (b.defined() && !ignored_buffers.count(b.unsafeGetTensorImpl())) tensors.push_back(b.detach());
+    if (!b.defined() || ignored_buffers.count(b.unsafeGetTensorImpl())) continue;
+    tensors.push_back(b.detach());
+    split.push_back(false);
   }
-  if (tensors.empty() || mesh_->world_size() == 1) return;
-  // On the tensors' own device (they have not moved to init_device yet).
-  const GroupPtr& group = MeshState::of(*mesh_).groups_for(mesh_->world_size(), tensors[0].device().type()).shard;
-  for (auto& t : tensors) {
-    std::vector<at::Tensor> one{t};
+  if (tensors.empty()) return;
+  if (mesh_->world_size() > 1) {
+    // On the tensors' own device (they have not moved to init_device yet).
+    const GroupPtr& group = MeshState::of(*mesh_).groups_for(mesh_->world_size(), tensors[0].device().type()).shard;
+    for (auto& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = 0;
+      wait_for(group->broadcast(one, opts), "broadcast of rank 0's parameters and buffers (sync_module_states)");
+    }
+  }
+  // With tensor parallelism the mesh is one TP place's data-parallel ranks: the broadcast above
+  // gave each TP rank its first DP rank's values. Split parameters are each TP rank's own part,
+  // but every TP rank must hold the same replicated parameters and buffers (each computes the
+  // same gradient for them, and nothing reduces them across the TP group): the first TP rank's
+  // values, so that the job's rank 0 decides them all. Ranks that built the model from different
+  // seeds would otherwise train different replicas of them, silently.
+  const auto& tp = options_.tensor_parallel;
+  if (!tp || tp->size() == 1) return;
+  const auto& tp_group = tp->group(tensors[0].device().type());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (split[i]) continue;
+    std::vector<at::Tensor> one{tensors[i]};
     c10d::BroadcastOptions opts;
     opts.rootRank = 0;
-    wait_for(group->broadcast(one, opts), "broadcast of rank 0's parameters and buffers (sync_module_states)");
+    wait_for(tp_group->broadcast(one, opts),
+             "broadcast of the first TP rank's replicated parameters and buffers (sync_module_states)");
   }
 }
 
