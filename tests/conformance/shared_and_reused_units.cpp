@@ -237,12 +237,14 @@ CONFORMANCE_CASE(SharedAndReusedUnits, FrozenAndTrainableUnitsCalledManyTimesAls
                  "#130 #230: FSDP1 test_fsdp_fine_tune test_hooks_multi_traversal; FSDP2 test_fully_shard_frozen "
                  "test_multi_forward_mixed_requires_grad") {
   // Each Linear its own unit, called 1 + 10 x (1 frozen, 2 trainable, 1 of them under NoGradGuard)
-  // times in one forward; every strategy, forward prefetch on and off, input with and without
-  // requires_grad.
-  std::vector<Variant> variants;
-  for (const bool prefetch : {false, true}) {
-    for (const bool input_grad : {false, true}) {
-      for (auto v : every_strategy(c)) {
+  // times in one forward; every strategy, and the peers' full_shard, shard_grad_op and no_shard
+  // with forward prefetch and with an input that requires grad.
+  std::vector<Variant> variants = every_strategy(c);
+  for (const char* s : {"full_shard", "shard_grad_op", "no_shard"}) {
+    for (const bool prefetch : {false, true}) {
+      for (const bool input_grad : {false, true}) {
+        if (!prefetch && !input_grad) continue;
+        Variant v = strategy(c, s);
         v.options.forward_prefetch = prefetch;
         v.name += std::string(prefetch ? " forward_prefetch" : "") + (input_grad ? " input requires grad" : "");
         variants.push_back(v);
@@ -261,7 +263,7 @@ CONFORMANCE_CASE(SharedAndReusedUnits, FrozenAndTrainableUnitsCalledManyTimesAls
     const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
     torch::optim::SGD optim(model.parameters(), sgd);
     torch::optim::SGD local_optim(unique_parameters(*local), sgd);
-    for (int step = 0; step < 6; ++step) {
+    for (int step = 0; step < 4; ++step) {
       const std::string at = " at step " + std::to_string(step);
       auto x = randn(3500 + step, {8, 5});
       if (input_grad) x.requires_grad_(true);
