@@ -118,7 +118,8 @@ void export_full(const std::string& path, FullyShardedDataParallelBase& model);
 // the elements it holds from a safetensors file.
 void load_model_file(const std::string& path, FullyShardedDataParallelBase& model);
 
-// In memory, keyed by the original names: every parameter and buffer whole (collective; with
+// In memory, keyed by the original names: every parameter and buffer whole, a tensor registered
+// under several names (a tied weight) under each of them (collective; with
 // rank0_only the other ranks get an empty list and hold one unit at a time).
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedDataParallelBase& model,
                                                                 bool rank0_only = true);

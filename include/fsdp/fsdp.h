@@ -12,12 +12,18 @@
 //   optim.step();
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -39,7 +45,98 @@ void fully_shard(const torch::nn::Module& module);
 namespace detail {
 class ShardedRoot;
 struct RootAccess;  // the library's own view of a wrapped model (checkpoints)
+
+// What FullyShardedDataParallel::forward casts to param_dtype under mixed precision: floating-point
+// tensors, also inside the standard containers a forward takes (as PyTorch casts the tensors inside
+// lists, tuples and dicts). A container is passed on as a new one; the caller's stays as it was.
+template <typename T>
+struct CastTensors {
+  static constexpr bool holds = false;
+};
+template <>
+struct CastTensors<at::Tensor> {
+  static constexpr bool holds = true;
+  static at::Tensor apply(const at::Tensor& t, c10::ScalarType dtype) {
+    return t.defined() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != dtype ? t.to(dtype) : t;
+  }
+};
+template <typename T>
+decltype(auto) cast_tensors(const T& v, c10::ScalarType dtype) {
+  if constexpr (CastTensors<T>::holds) {
+    return CastTensors<T>::apply(v, dtype);
+  } else {
+    return (v);
+  }
 }
+template <typename T, typename A>
+struct CastTensors<std::vector<T, A>> {
+  static constexpr bool holds = CastTensors<T>::holds;
+  static std::vector<T, A> apply(const std::vector<T, A>& v, c10::ScalarType dtype) {
+    std::vector<T, A> out;
+    out.reserve(v.size());
+    for (const auto& e : v) out.push_back(cast_tensors(e, dtype));
+    return out;
+  }
+};
+template <typename K, typename V, typename C, typename A>
+struct CastTensors<std::map<K, V, C, A>> {
+  static constexpr bool holds = CastTensors<V>::holds;
+  static std::map<K, V, C, A> apply(const std::map<K, V, C, A>& m, c10::ScalarType dtype) {
+    std::map<K, V, C, A> out;
+    for (const auto& [k, e] : m) out.emplace(k, cast_tensors(e, dtype));
+    return out;
+  }
+};
+template <typename K, typename V, typename H, typename E, typename A>
+struct CastTensors<std::unordered_map<K, V, H, E, A>> {
+  static constexpr bool holds = CastTensors<V>::holds;
+  static std::unordered_map<K, V, H, E, A> apply(const std::unordered_map<K, V, H, E, A>& m, c10::ScalarType dtype) {
+    std::unordered_map<K, V, H, E, A> out;
+    for (const auto& [k, e] : m) out.emplace(k, cast_tensors(e, dtype));
+    return out;
+  }
+};
+template <typename A, typename B>
+struct CastTensors<std::pair<A, B>> {
+  static constexpr bool holds = CastTensors<A>::holds || CastTensors<B>::holds;
+  static std::pair<A, B> apply(const std::pair<A, B>& p, c10::ScalarType dtype) {
+    return {cast_tensors(p.first, dtype), cast_tensors(p.second, dtype)};
+  }
+};
+template <typename... Ts>
+struct CastTensors<std::tuple<Ts...>> {
+  static constexpr bool holds = (CastTensors<Ts>::holds || ...);
+  static std::tuple<Ts...> apply(const std::tuple<Ts...>& t, c10::ScalarType dtype) {
+    return std::apply([&](const auto&... e) { return std::tuple<Ts...>(cast_tensors(e, dtype)...); }, t);
+  }
+};
+template <typename T>
+struct CastTensors<std::optional<T>> {
+  static constexpr bool holds = CastTensors<T>::holds;
+  static std::optional<T> apply(const std::optional<T>& o, c10::ScalarType dtype) {
+    return o ? std::optional<T>(cast_tensors(*o, dtype)) : std::nullopt;
+  }
+};
+template <typename T>
+struct CastTensors<c10::List<T>> {
+  static constexpr bool holds = CastTensors<T>::holds;
+  static c10::List<T> apply(const c10::List<T>& l, c10::ScalarType dtype) {
+    c10::List<T> out;
+    out.reserve(l.size());
+    for (size_t i = 0; i < l.size(); ++i) out.push_back(cast_tensors(T(l.get(i)), dtype));
+    return out;
+  }
+};
+template <typename K, typename V>
+struct CastTensors<c10::Dict<K, V>> {
+  static constexpr bool holds = CastTensors<V>::holds;
+  static c10::Dict<K, V> apply(const c10::Dict<K, V>& d, c10::ScalarType dtype) {
+    c10::Dict<K, V> out;
+    for (const auto& e : d) out.insert(e.key(), cast_tensors(V(e.value()), dtype));
+    return out;
+  }
+};
+}  // namespace detail
 
 // summon_full_params' choices (see there).
 struct SummonOptions {
@@ -197,7 +294,11 @@ class FullyShardedDataParallel : public FullyShardedDataParallelBase {
       : FullyShardedDataParallel(holder.ptr(), std::move(mesh), std::move(options)) {}
 
   // Runs the model's forward as the root unit. With mixed precision, floating-point tensor
-  // arguments are cast to param_dtype first (as PyTorch does).
+  // arguments are cast to param_dtype first, also those inside std::vector, std::map,
+  // std::unordered_map, std::pair, std::tuple, std::optional, c10::List and c10::Dict arguments
+  // (as PyTorch casts those inside lists, tuples and dicts; the container is passed as a new one).
+  // Tensors inside your own types are yours to cast: an operator that meets one beside a unit's
+  // parameters of another dtype is refused by name.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     const auto dtype = input_dtype();
@@ -217,6 +318,9 @@ class FullyShardedDataParallel : public FullyShardedDataParallelBase {
         return at::Tensor(arg.to(*dtype));
       }
       return at::Tensor(std::forward<T>(arg));
+    } else if constexpr (detail::CastTensors<std::decay_t<T>>::holds) {
+      if (!dtype) return std::decay_t<T>(std::forward<T>(arg));
+      return detail::CastTensors<std::decay_t<T>>::apply(arg, *dtype);
     } else {
       return std::forward<T>(arg);
     }

@@ -27,6 +27,8 @@
 #include <iostream>
 #include <map>
 #include <set>
+#include <unordered_map>
+#include <unordered_set>
 #include <thread>
 
 #include <ATen/Context.h>
@@ -793,6 +795,7 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedData
   check_replicated_agree(root, "full_state_dict");
   const bool keep = !rank0_only || writes_whole(root);
   std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> by_param;
   gather_units(
       root,
       shard_slice,
@@ -801,12 +804,25 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedData
         for (size_t i = 0; i < h.layout().entries().size(); ++i) {
           // Under TP every rank that received the unit puts its parameters together (collective).
           const at::Tensor whole = whole_of(h, i, view_of_param(full, h.layout().entries()[i]));
-          if (keep) out.emplace_back(h.layout().entries()[i].fqn, split_placement(h, i) ? whole : whole.clone());
+          if (keep) {
+            out.emplace_back(h.layout().entries()[i].fqn, split_placement(h, i) ? whole : whole.clone());
+            by_param.emplace(h.params()[i].unsafeGetTensorImpl(), out.back().second);
+          }
         }
       },
       rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
   append_whole_ignored(root, out, keep, rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
   if (keep) {
+    // A tensor registered under several names (a tied weight, a module registered twice) is in
+    // the state dict under each of them, the same tensor, as the module's own named_parameters()
+    // lists it: a plain model loads it by any of its names.
+    std::unordered_set<std::string> named;
+    for (const auto& [name, t] : out) named.insert(name);
+    for (const auto& p : root.module().named_parameters(true)) {
+      auto it = by_param.find(p.value().unsafeGetTensorImpl());
+      if (it != by_param.end() && !named.count(p.key())) out.emplace_back(p.key(), it->second);
+    }
+
     for (const auto& b : root.module().named_buffers(true)) {
       if (b.value().defined()) out.emplace_back(b.key(), b.value().detach().clone());
     }

@@ -25,6 +25,7 @@ at::Tensor densified(const at::Tensor& g) { return g.defined() && g.is_sparse() 
 GradientReduction::GradientReduction(int index, const FlatParamHandle& handle, CommContext& comm)
     : index_(index), handle_(handle), comm_(comm) {
   grads_.resize(handle_.params().size());
+  unclaimed_.resize(handle_.params().size());
 }
 
 void GradientReduction::stash() {
@@ -224,19 +225,38 @@ int64_t GradientReduction::finish() {
   const auto& slices = handle_.slices();
   for (size_t i = 0; i < grads_.size(); ++i) {
     const ShardSlice& s = slices[i];
-    if (grads_[i].defined()) reduced.narrow(0, s.shard_offset, s.length).add_(grads_[i].reshape(-1));
+    // What an earlier reduction of this backward left (a unit reduced twice) is added too.
+    const at::Tensor& earlier = grads_[i].defined() ? grads_[i] : unclaimed_[i];
+    if (earlier.defined()) reduced.narrow(0, s.shard_offset, s.length).add_(earlier.reshape(-1));
   }
   if (dt.grad != dt.master) reduced = reduced.to(dt.grad);
   grad_storage_ = reduced.storage().getWeakStorageImpl();
   grad_storage_bytes_ = handle_.layout().shard_numel() * static_cast<int64_t>(reduced.element_size());
   const auto& entries = handle_.layout().entries();
   for (size_t i = 0; i < grads_.size(); ++i) {
-    if (!r.got[i] && !grads_[i].defined()) continue;  // no gradient yet: stays None, as locally
-    grads_[i] = comm_.mesh().shard_size == 1 ? alias(reduced, entries[i].offset, entries[i].shape)
-                                             : alias(reduced, slices[i].shard_offset, {slices[i].length});
+    at::Tensor view = comm_.mesh().shard_size == 1 ? alias(reduced, entries[i].offset, entries[i].shape)
+                                                   : alias(reduced, slices[i].shard_offset, {slices[i].length});
+    if (r.got[i] || grads_[i].defined()) {
+      grads_[i] = std::move(view);
+      unclaimed_[i] = at::Tensor();
+    } else {
+      // No gradient from this rank: another rank's may be in it (settle decides).
+      unclaimed_[i] = std::move(view);
+    }
   }
   pending_.reset();
   return blocked;
+}
+
+void GradientReduction::presence(std::vector<int64_t>& out) const {
+  for (size_t i = 0; i < grads_.size(); ++i) out.push_back(grads_[i].defined() && stashed_ ? 1 : 0);
+}
+
+void GradientReduction::settle(const int64_t* any) {
+  for (size_t i = 0; i < unclaimed_.size(); ++i) {
+    if (any != nullptr && any[i] != 0 && unclaimed_[i].defined() && !grads_[i].defined()) grads_[i] = unclaimed_[i];
+    unclaimed_[i] = at::Tensor();
+  }
 }
 
 void GradientReduction::restore() {

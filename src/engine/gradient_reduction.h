@@ -74,6 +74,16 @@ class GradientReduction {
   int64_t complete_reduce_scatter();
   int64_t finish();  // returns the nanoseconds the calling thread was blocked
   bool pending() const { return pending_.has_value(); }
+  // Which parameters got a gradient is the ranks' to say together, not each rank's: ranks that ran
+  // different parameters of one unit (each rank its own expert) each got only theirs, yet every
+  // rank's reduced shard holds the others' contributions. finish() keeps the reduced values of
+  // parameters this rank gave no gradient as "unclaimed"; at the end of backward presence()
+  // appends, per parameter, whether it holds a gradient after this backward's reductions (1) or
+  // not (0), and settle() gives the unclaimed ones whose flag any rank set (`any`, the flags'
+  // maximum over the ranks; null: none) their gradient and drops the rest, which stay None, as
+  // in local training.
+  void presence(std::vector<int64_t>& out) const;
+  void settle(const int64_t* any);
   void restore();  // requires no reduction in flight
 
   int64_t sharded_grad_bytes() const;    // the SHARDED gradients the parameters hold now
@@ -104,6 +114,7 @@ class GradientReduction {
   Form form_ = Form::SHARDED;
   bool stashed_ = false;            // grads_ holds this iteration's stashed SHARDED gradients
   std::vector<at::Tensor> grads_;   // stashed, then the reduced sharded gradients, per parameter
+  std::vector<at::Tensor> unclaimed_;  // reduced, where this rank gave no gradient (see settle)
   // The storage behind the reduced gradients the parameters hold, by a weak reference: the
   // parameters' .grad own it, so that zero_grad (to None) frees it, as in local training.
   c10::weak_intrusive_ptr<c10::StorageImpl> grad_storage_{c10::intrusive_ptr<c10::StorageImpl>()};

@@ -188,6 +188,11 @@ void Runtime::forward_ends(size_t u) {
 
 void Runtime::end_forward(bool ok) {
   touch::leave_forward();
+  // Its last operator has run; every unit deferred is freed below with the rest (or stays for
+  // backward, as any unit of a strategy that does not reshard after forward).
+  operator_units_.clear();
+  deferred_reshards_.clear();
+  operator_delivered_ = false;
   if (!ok) {
     // A forward that threw merges nothing: its writes are dropped with the gathered copies.
     for (auto& s : write_snapshots_) s = at::Tensor();
@@ -249,8 +254,28 @@ void Runtime::on_touch(size_t u, const c10::TensorImpl* tensor, bool builds_grap
   }
 }
 
+bool Runtime::touched_by_operator(size_t u) const {
+  return std::find(operator_units_.begin(), operator_units_.end(), u) != operator_units_.end();
+}
+
+void Runtime::operator_boundary() {
+  // The operator whose touches were delivered last has run: what it kept gathered may go now.
+  operator_delivered_ = false;
+  operator_units_.clear();
+  std::vector<size_t> due = std::move(deferred_reshards_);
+  deferred_reshards_.clear();
+  for (size_t v : due) {
+    const Unit::State state = units_[v]->state();
+    if (state == Unit::State::FORWARD || state == Unit::State::PRE_BACKWARD) continue;  // in use again
+    reshard(v, /*after_forward=*/phase_ == Phase::FORWARD);
+  }
+}
+
 void Runtime::on_operator_entered(std::optional<size_t> unit) {
   ++detection_.operator_calls_in_passes;
+  // A top-level operator (not one a composite calls, which RECORD_FUNCTION also sees) is about to
+  // run with every unit it touched gathered.
+  if (!touch::nested_operator()) operator_delivered_ = true;
   if (unit) units_[*unit]->count_operator();
   // Its touches are delivered; the operator runs next. What it writes is merged before the next.
   if (operator_wrote_) {
@@ -262,14 +287,23 @@ void Runtime::on_operator_entered(std::optional<size_t> unit) {
 void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph, bool writes) {
   // The last operator wrote a gathered unit, and has returned (not while its own parts run).
   if (merge_due_ && !touch::nested_operator()) merge_pending_writes();
+  if (operator_delivered_ && !touch::nested_operator()) operator_boundary();
+  if (!touched_by_operator(u)) operator_units_.push_back(u);
   switch (phase_) {
     case Phase::FORWARD: {
       if (u != root_unit_) {
-        // The previous unit's forward is over once another unit (not nested in it) starts.
+        // The previous unit's forward is over once another unit (not nested in it) starts; it is
+        // freed then, unless this operator reads it too (then after the operator).
         if (current_unit_ && *current_unit_ != u && !units_[*current_unit_]->contains(*units_[u]) &&
             units_[*current_unit_]->state() == Unit::State::FORWARD) {
           forward_ends(*current_unit_);
-          if (reshard_after_forward_) reshard(*current_unit_, /*after_forward=*/true);
+          if (reshard_after_forward_) {
+            if (touched_by_operator(*current_unit_)) {
+              deferred_reshards_.push_back(*current_unit_);
+            } else {
+              reshard(*current_unit_, /*after_forward=*/true);
+            }
+          }
         }
         if (current_unit_ != u && units_[u]->state() != Unit::State::FORWARD) forward_begins(u);
         current_unit_ = u;
@@ -342,7 +376,11 @@ void Runtime::release_passed_frozen(size_t starting) {
     if (v == starting || v == root_unit_ || unit.state() != Unit::State::PRE_BACKWARD || !unit.frozen()) continue;
     if (unit.contains(*units_[starting]) || units_[starting]->contains(unit)) continue;
     unit.post_backward();
-    reshard(v);
+    if (touched_by_operator(v)) {
+      deferred_reshards_.push_back(v);  // the operator backward is in reads it too
+    } else {
+      reshard(v);
+    }
   }
 }
 
@@ -427,6 +465,9 @@ void Runtime::finish_backward() {
 }
 
 void Runtime::end_iteration(bool keep_graph) {
+  operator_units_.clear();
+  deferred_reshards_.clear();  // freed below with every unit
+  operator_delivered_ = false;
   for (size_t u = 0; u < units_.size(); ++u) {
     if (!pinned(u)) {  // a pinned unit gets its sharded gradients when its unshard() scope ends
       reshard(u);

@@ -129,6 +129,15 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void merge_pending_writes();
   bool operator_wrote_ = false;  // the operator being delivered writes a unit's parameter
   bool merge_due_ = false;       // an operator that wrote has run: merge before the next touch
+  // Units the operator being delivered touched (one operator may read two units: a decoder
+  // block's linear with its own bias and an encoder block's shared weight). None of them may be
+  // freed before that operator has run: a unit another one would free (FULL_SHARD's switch to the
+  // next unit, a frozen unit backward passed) waits in deferred_reshards_ until the next operator.
+  bool touched_by_operator(size_t unit) const;
+  void operator_boundary();
+  std::vector<size_t> operator_units_;
+  std::vector<size_t> deferred_reshards_;
+  bool operator_delivered_ = false;  // the last top-level operator's touches are all delivered
   void on_grad_arriving(size_t unit);
   void on_grad_accumulated(size_t unit, size_t param);
   void on_backward_started();

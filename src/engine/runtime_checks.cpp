@@ -186,24 +186,60 @@ void Runtime::check_unit_intact_for_backward(size_t u) const {
 }
 
 void Runtime::check_sequence() {
-  if (comm_.mesh().world_size == 1) return;
+  // Which parameters got a gradient in this backward (GradientReduction::settle): compared in the
+  // same all-reduce as the collectives' hash, so that it costs nothing when the ranks agree.
+  std::vector<int64_t> present;
+  for (Unit* unit : units_) unit->reduction().presence(present);
+  const auto settle = [&](const int64_t* any) {
+    size_t offset = 0;
+    for (Unit* unit : units_) {
+      unit->reduction().settle(any == nullptr ? nullptr : any + offset);
+      offset += unit->handle().params().size();
+    }
+  };
+  if (comm_.mesh().world_size == 1) {
+    settle(nullptr);
+    return;
+  }
   const int64_t t0 = Timeline::now_ns();
-  const auto h = static_cast<int64_t>(comm_.take_sequence_hash() & ((1ULL << 62) - 1));
+  constexpr uint64_t kMask = (1ULL << 62) - 1;
+  const uint64_t seq = comm_.take_sequence_hash() & kMask;
+  uint64_t g = 1469598103934665603ULL;  // FNV-1a over the flags
+  for (int64_t f : present) g = (g ^ static_cast<uint64_t>(f + 1)) * 1099511628211ULL;
+  g &= kMask;
+  const auto h = static_cast<int64_t>(seq ^ g);
   // max(h) and max(-h) in one all-reduce: every rank's h is equal exactly when they cancel.
   at::Tensor t = at::tensor({h, -h}, at::kLong);
   InFlight f = comm_.issue(CommKind::SEQUENCE_CHECK, Over::WORLD, -1, "the collective sequence check",
                            [&] { return Buffers{t, at::Tensor()}; });
   comm_.wait(f);
   overlap_.sequence_check_ns += Timeline::now_ns() - t0;
-  if (t[0].item<int64_t>() + t[1].item<int64_t>() == 0) return;
-  // Rare: find who differs (one more small collective, on this path only).
-  at::Tensor all = at::empty({comm_.mesh().world_size}, at::kLong);
-  at::Tensor mine = at::tensor({h}, at::kLong);
+  if (t[0].item<int64_t>() + t[1].item<int64_t>() == 0) {
+    settle(nullptr);
+    return;
+  }
+  // Rare: find who differs, and in what (one more small collective, on this path only).
+  const int W = comm_.mesh().world_size;
+  at::Tensor all = at::empty({W * 2}, at::kLong);
+  at::Tensor mine = at::tensor({static_cast<int64_t>(seq), static_cast<int64_t>(g)}, at::kLong);
   wait_for(comm_.mesh().world_group->_allgather_base(all, mine), "all-gather of sequence hashes");
   std::string differ;
-  for (int r = 1; r < comm_.mesh().world_size; ++r) {
-    if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  for (int r = 1; r < W; ++r) {
+    if (all[2 * r].item<int64_t>() != all[0].item<int64_t>()) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
   }
+  if (differ.empty()) {
+    // The same collectives, but not the same parameters got gradients: the ranks used different
+    // parameters of a unit (each its own expert). Every rank's reduced shards hold the others'
+    // contributions; a parameter has a gradient when any rank gave it one, as in local training
+    // over the whole batch.
+    at::Tensor any = at::tensor(present, at::kLong);
+    InFlight flags = comm_.issue(CommKind::SEQUENCE_CHECK, Over::WORLD, -1, "which parameters got gradients",
+                                 [&] { return Buffers{any, at::Tensor()}; });
+    comm_.wait(flags);
+    settle(any.data_ptr<int64_t>());
+    return;
+  }
+  settle(nullptr);
   failure_ = "fsdp: the ranks issued different collectives in this iteration (rank(s) " + differ +
              " differ from rank 0; this is rank " + std::to_string(comm_.mesh().rank) +
              "): their control flow differs (a branch or unit taken on some ranks only, a different number of "
