@@ -181,6 +181,16 @@ TEST(Failure, RankWhoseForwardTakesAnotherBranch) {
       << run.output;
 }
 
+TEST(Failure, RankWhoseForwardSkipsAUnit) {
+  // Its collectives no longer line up with the others' (the next unit's gather meets a gather of
+  // another size): Gloo may end the process from its own thread before any fsdp check runs, so
+  // fsdp explains it on the way out. Every rank ends, fast, and the output says what happened.
+  auto run = sh(kFaultEnv + worker() + " fault --nproc-per-node 4 --fault skip --fault-rank 1", 90);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_LT(run.seconds, 60.0) << run.output;
+  EXPECT_NE(run.output.find("the ranks issued different collectives"), std::string::npos) << run.output;
+}
+
 TEST(Failure, RankThatNeverArrives) {
   // A world of 3 where rank 2 is never started: ranks 0 and 1 must give up with a clear error.
   const int p = port();

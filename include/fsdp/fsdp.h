@@ -198,7 +198,9 @@ class FullyShardedDataParallelBase {
   // which neither way of knowing when a unit runs can see: it would read this rank's 1-D shard, or
   // freed memory. A collective: every rank calls it at the same point, outside backward. Gradients
   // are reduced as usual and reach the parameters when the scope ends: end it before clipping and
-  // the optimizer step (a step inside it is refused). Costs the memory of the units it holds.
+  // the optimizer step. Inside it, after a backward, each parameter's .grad is a stand-in that a
+  // step or a clip (fsdp's or libtorch's) is refused on; zero_grad() to None drops the gradients,
+  // as in local training. Costs the memory of the units it holds.
   class Unsharded {
    public:
     ~Unsharded();

@@ -1,3 +1,4 @@
+#include "comm/collective_mismatch.h"
 #include "comm/mesh_state.h"
 #include "comm/simulated_backend.h"
 #include "fsdp/launch.h"
@@ -161,6 +162,7 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
     return mesh;
   }
   ignore_sigpipe();
+  detail::explain_collective_mismatch_on_terminate(env.rank);
   auto state = std::make_unique<detail::MeshState>();
   state->env = env;
   state->options = options;
@@ -287,6 +289,7 @@ std::shared_ptr<Mesh> MeshState::sub_mesh(const std::string& name, int rank, int
 std::shared_ptr<Mesh> MeshState::over_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,
                                             MeshOptions options, int host_processes) {
   ignore_sigpipe();
+  explain_collective_mismatch_on_terminate(env.rank);
   auto state = std::make_unique<MeshState>();
   state->env = env;
   state->options = options;

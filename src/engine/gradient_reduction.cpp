@@ -29,6 +29,7 @@ GradientReduction::GradientReduction(int index, const FlatParamHandle& handle, C
 }
 
 void GradientReduction::stash() {
+  take_stand_ins();  // another backward inside an unshard() scope: autograd accumulates afresh
   if (form_ == Form::UNSHARDED || stashed_) return;  // unreduced gradients stay: autograd adds to them
   const auto& params = handle_.params();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -38,8 +39,9 @@ void GradientReduction::stash() {
   stashed_ = true;
 }
 
-std::vector<const c10::StorageImpl*> GradientReduction::unreduced_storages() const {
+std::vector<const c10::StorageImpl*> GradientReduction::guarded_grad_storages() const {
   std::vector<const c10::StorageImpl*> out;
+  if (held()) return {held_storage()};
   if (form_ != Form::UNSHARDED) return out;
   for (const auto& p : handle_.params()) {
     if (p.grad().defined() && p.grad().has_storage()) out.push_back(p.grad().storage().unsafeGetStorageImpl());
@@ -262,6 +264,7 @@ void GradientReduction::settle(const int64_t* any) {
 void GradientReduction::restore() {
   TORCH_CHECK(handle_.state() == HandleState::SHARDED && !pending_,
               "fsdp: restoring sharded gradients needs the SHARDED state and no reduction in flight");
+  take_stand_ins();
   if (!stashed_) return;
   const auto& params = handle_.params();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -269,6 +272,45 @@ void GradientReduction::restore() {
     grads_[i] = at::Tensor();
   }
   stashed_ = false;
+}
+
+void GradientReduction::hold() {
+  if (!stashed_ || pending_ || form_ != Form::SHARDED) return;
+  const auto& params = handle_.params();
+  stand_ins_.assign(params.size(), at::Tensor());
+  // One element of storage, expanded to each parameter's shape: whatever reads a stand-in is
+  // refused before it computes (the guard), so its value never matters.
+  at::Tensor one;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grads_[i].defined()) continue;
+    const at::Tensor& p = params[i];
+    if (!one.defined()) one = at::zeros({}, p.options());
+    stand_ins_[i] = param_key::keyed(one.expand(p.sizes()));
+    at::Tensor(p).mutable_grad() = stand_ins_[i];
+  }
+  if (!one.defined()) stand_ins_.clear();
+}
+
+const c10::StorageImpl* GradientReduction::held_storage() const {
+  for (const auto& s : stand_ins_) {
+    if (s.defined()) return s.storage().unsafeGetStorageImpl();
+  }
+  return nullptr;
+}
+
+void GradientReduction::take_stand_ins() {
+  if (stand_ins_.empty()) return;
+  const auto& params = handle_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!stand_ins_[i].defined()) continue;
+    const at::Tensor& g = params[i].grad();
+    if (g.defined() && g.unsafeGetTensorImpl() == stand_ins_[i].unsafeGetTensorImpl()) {
+      at::Tensor(params[i]).mutable_grad().reset();
+    } else {
+      grads_[i] = at::Tensor();  // the user dropped it (zero_grad to None)
+    }
+  }
+  stand_ins_.clear();
 }
 
 int64_t GradientReduction::sharded_grad_bytes() const {

@@ -30,6 +30,12 @@
 //            dtype, add the stashed gradient, and hold the result for restore
 //   restore  end of an iteration: give the parameters their SHARDED gradients (set_ aliases of one
 //            flat shard, so optimizers may detach_() them as zero_grad does)
+//   hold     instead of restore, for a unit an unshard() scope keeps gathered: its parameters hold
+//            whole values, not the shards the reduced gradients belong to, so the gradients stay
+//            here until the scope ends and each parameter shows a stand-in .grad (keyed, of its
+//            shape, no memory): an optimizer step or a clip inside the scope reads it and is
+//            refused (without it the step would skip parameters whose .grad is None, silently); a
+//            zero_grad to None inside the scope drops the stand-in and, with it, the gradient
 //
 // A reduction holds the buffers its collectives read and write until it has waited for them.
 #pragma once
@@ -62,9 +68,11 @@ class GradientReduction {
   // Whether the parameters hold gradients that a synchronized reduction has still to reduce.
   bool has_unreduced() const;
   // Whether they hold no_sync gradients (UNSHARDED, some defined): this rank's own sums, which an
-  // optimizer step or a clip must not use; and their storages (keyed, for the guard).
+  // optimizer step or a clip must not use.
   bool holds_unreduced_no_sync() const;
-  std::vector<const c10::StorageImpl*> unreduced_storages() const;
+  // The storages of what the parameters hold as .grad that no optimizer or clip may read (keyed,
+  // for the guard): the no_sync sums, or the stand-ins of gradients held for an unshard() scope.
+  std::vector<const c10::StorageImpl*> guarded_grad_storages() const;
   void begin(bool no_sync);
   // Polls without blocking: frees a finished reduce-scatter's input and lets all-reduces across
   // replicas go out (in the replicate group's order, replica_order.h).
@@ -85,6 +93,11 @@ class GradientReduction {
   void presence(std::vector<int64_t>& out) const;
   void settle(const int64_t* any);
   void restore();  // requires no reduction in flight
+  // An unshard() scope's end of iteration (see hold above); held() until restore, and
+  // held_storage() is the stand-ins' storage, for the guard.
+  void hold();
+  bool held() const { return !stand_ins_.empty(); }
+  const c10::StorageImpl* held_storage() const;
 
   int64_t sharded_grad_bytes() const;    // the SHARDED gradients the parameters hold now
   int64_t unsharded_grad_bytes() const;  // the UNSHARDED (no_sync) gradients they hold now
@@ -107,6 +120,9 @@ class GradientReduction {
   // After the reduce-scatter is done: free its input (F > 1; with F = 1 it is the output).
   void release_input(Pending& r);
   void keep_unsharded();  // the no_sync half of begin
+  // Takes the stand-ins off the parameters; a parameter whose .grad is no longer its stand-in had
+  // its gradient dropped by the user (zero_grad to None), so the held one is dropped too.
+  void take_stand_ins();
 
   int index_;
   const FlatParamHandle& handle_;
@@ -120,6 +136,7 @@ class GradientReduction {
   c10::weak_intrusive_ptr<c10::StorageImpl> grad_storage_{c10::intrusive_ptr<c10::StorageImpl>()};
   int64_t grad_storage_bytes_ = 0;
   std::optional<Pending> pending_;
+  std::vector<at::Tensor> stand_ins_;  // per parameter while held (undefined: no gradient held)
 };
 
 }  // namespace fsdp

@@ -5,6 +5,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "engine/param_key.h"
 
@@ -22,30 +23,34 @@ std::unordered_map<const c10::StorageImpl*, Entry> g_storages;
 }  // namespace
 
 void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
-  // Find the first parameter among the arguments, and whether the operator writes it.
+  // Every registered argument, and whether the operator writes it: an optimizer's update names the
+  // parameter and its gradient, and either may be what must be refused (a parameter that is whole
+  // at rest passes, the stand-in gradient beside it does not).
+  struct Hit {
+    Entry entry;
+    at::Tensor tensor;
+    bool writes;
+  };
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
-  std::optional<Entry> hit;
-  at::Tensor tensor;
-  bool writes = false;
+  std::vector<Hit> hits;
   {
     std::shared_lock<std::shared_mutex> lock(g_mutex);
-    for (size_t i = 0; i < n && !hit; ++i) {
+    for (size_t i = 0; i < n; ++i) {
       const c10::IValue& v = stack[stack.size() - n + i];
       if (!v.isTensor() || !param_key::has_key(v.toTensor()) || !v.toTensor().has_storage()) continue;
       auto it = g_storages.find(v.toTensor().storage().unsafeGetStorageImpl());
       if (it == g_storages.end()) continue;
-      hit = it->second;
-      tensor = v.toTensor();
       const auto* alias = schema.arguments()[i].alias_info();
-      writes = alias != nullptr && alias->isWrite();
+      hits.push_back(Hit{it->second, v.toTensor(), alias != nullptr && alias->isWrite()});
     }
   }
-  if (!hit) return;
-  if (hit->grad) {
-    hit->sink->on_unreduced_grad_op(op, hit->unit, writes);
-  } else {
-    hit->sink->on_guarded_op(op, hit->unit, tensor, writes);
+  for (const Hit& hit : hits) {
+    if (hit.entry.grad) {
+      hit.entry.sink->on_unreduced_grad_op(op, hit.entry.unit, hit.writes);
+    } else {
+      hit.entry.sink->on_guarded_op(op, hit.entry.unit, hit.tensor, hit.writes);
+    }
   }
 }
 

@@ -31,13 +31,13 @@ struct Sink {
   // returns at once for a unit that is not guarded now (F = 1 at rest: its parameters are whole).
   virtual void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) = 0;
   // An operator outside the root's passes on a gradient registered with register_grad_storage
-  // (unit `unit`'s unreduced no_sync gradients): reading it means stepping or clipping with this
-  // rank's unreduced sum. May throw.
+  // (unit `unit`'s unreduced no_sync gradients, or the stand-ins of gradients an unshard() scope
+  // holds): reading it means stepping or clipping with what no step may use. May throw.
   virtual void on_unreduced_grad_op(const c10::OperatorHandle& op, size_t unit, bool writes) = 0;
 };
 
 // An operator with a keyed argument (param_key.h), outside the root's passes: tells the sink of
-// the first registered parameter among its arguments.
+// every registered parameter and gradient among its arguments, in argument order.
 void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 
 // Guarded tensors are recognised by their storage: a unit's shard or its unsharded buffer.

@@ -469,10 +469,15 @@ void Runtime::end_iteration(bool keep_graph) {
   deferred_reshards_.clear();  // freed below with every unit
   operator_delivered_ = false;
   for (size_t u = 0; u < units_.size(); ++u) {
-    if (!pinned(u)) {  // a pinned unit gets its sharded gradients when its unshard() scope ends
+    if (!pinned(u)) {
       reshard(u);
       units_[u]->reduction().restore();
+    } else {
+      // A pinned unit gets its sharded gradients when its unshard() scope ends; until then its
+      // parameters show stand-ins that refuse a step or a clip (gradient_reduction.h, hold).
+      units_[u]->reduction().hold();
     }
+    register_unreduced_gradients(u);
     units_[u]->end_iteration(keep_graph);
   }
   backward_pending_ = false;

@@ -70,6 +70,17 @@ void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::T
 
 void Runtime::on_unreduced_grad_op(const c10::OperatorHandle& op, size_t u, bool writes) {
   ++detection_.operator_calls_at_rest;
+  if (units_[u]->reduction().held()) {
+    const std::string& name = op.operator_name().name;
+    if (name == "aten::detach_") return;  // zero_grad(false) detaches first; its zero_ is refused below
+    touch::Suppress own_work;
+    throw Refusal("fsdp: " + name + (writes ? " writes" : " reads") + " a gradient of unit '" +
+                  comm_.unit_name(static_cast<int>(u)) + "' inside an unshard() scope, which holds the unit's "
+                  "reduced gradients until it ends (the parameters hold whole values, not the shards the gradients "
+                  "belong to): an optimizer step or a clip here would skip them. End the unshard() scope before "
+                  "clip_grad_norm_ and the optimizer step; zero_grad() to None inside the scope drops them, as in "
+                  "local training.");
+  }
   if (writes) return;  // zero_grad's detach_() and zero_(): clearing them is what the loop should do
   throw Refusal("fsdp: " + op.operator_name().name + " reads a gradient of unit '" + comm_.unit_name(static_cast<int>(u)) +
                 "' that holds the unreduced sum of no_sync backwards (this rank's own, in the whole parameter's "
@@ -79,6 +90,11 @@ void Runtime::on_unreduced_grad_op(const c10::OperatorHandle& op, size_t u, bool
 
 void Runtime::check_no_unreduced_gradients(const char* what) const {
   for (const Unit* unit : units_) {
+    if (unit->reduction().held()) {
+      throw Refusal(std::string("fsdp: ") + what + " inside an unshard() scope after a backward: unit '" +
+                    comm_.unit_name(unit->index()) + "' holds its reduced gradients until the scope ends. End the "
+                    "unshard() scope before clip_grad_norm_ and the optimizer step.");
+    }
     if (!unit->reduction().holds_unreduced_no_sync()) continue;
     throw Refusal(std::string("fsdp: ") + what + " after no_sync backwards whose gradients are not reduced yet (unit '" +
                   comm_.unit_name(unit->index()) + "' holds this rank's own sum): the result would differ across "

@@ -48,7 +48,7 @@ void Runtime::reduce(size_t u) {
 
 void Runtime::register_unreduced_gradients(size_t u) {
   for (const c10::StorageImpl* s : guarded_grads_[u]) guard::unregister_grad_storage(s);
-  guarded_grads_[u] = units_[u]->reduction().unreduced_storages();
+  guarded_grads_[u] = units_[u]->reduction().guarded_grad_storages();
   for (const c10::StorageImpl* s : guarded_grads_[u]) guard::register_grad_storage(this, u, s);
 }
 

@@ -37,6 +37,7 @@ void Runtime::unpin(const std::vector<size_t>& units) {
     if (pinned(u)) continue;
     reshard(u);
     units_[u]->reduction().restore();
+    register_unreduced_gradients(u);  // the stand-ins it showed in the scope are gone
   }
 }
 

@@ -8,12 +8,22 @@
 #include "engine/gradient_reduction.h"
 #include "comm/mesh_info.h"
 #include "engine/flat_param_handle.h"
+#include "engine/param_key.h"
 #include "precision/precision.h"
 #include "engine/unit_decomposition.h"
 
 namespace fsdp {
 
 MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, int local_world_size) {
+  // A wrapped model's parameters hold this rank's 1-D shards (or gathered copies): planned as if
+  // they were the model, the figures would be those of a model W times smaller, silently.
+  for (const auto& np : model.named_parameters(true)) {
+    if (!param_key::has_key(np.value())) continue;
+    throw std::invalid_argument(
+        "fsdp::plan_memory: parameter '" + np.key() + "' belongs to a FullyShardedDataParallel (it holds that "
+        "wrapper's shard, not the whole parameter), so the plan would describe a smaller model. Plan the model before "
+        "wrapping it: the same model built normally, or under fsdp::deferred_init, which costs no memory.");
+  }
   MemoryPlan plan;
   plan.world_size = W;
   plan.shard_size = sharding_factor(options, W, local_world_size);

@@ -1,7 +1,9 @@
 // Loops an outside client wrote as a new user would, that fsdp once got wrong (issue 35):
 //   a weight shared by two units, neither of them the root, under hybrid sharding;
 //   two wrapped models in one process (the official libtorch DCGAN example's loop);
-//   an Embedding built with sparse(true).
+//   an Embedding built with sparse(true);
+//   an optimizer step inside an unshard() scope after a backward inside it (silently skipped every
+//   parameter: its gradients wait for the scope's end).
 #include "conformance.h"
 
 namespace conformance {
@@ -251,6 +253,63 @@ CONFORMANCE_CASE(Regressions, EmbeddingWithSparseGradientsTrainsLikeLocal, 4,
       local_loss.backward();
       local_optim.step();
       c.expect_near("loss at step " + std::to_string(step), global_mean(c, loss.item().toDouble()), local_loss.item().toDouble(), tol);
+    }
+    expect_same_model(c, model, *mine, *local, tol);
+  });
+}
+
+CONFORMANCE_CASE(Regressions, StepInsideUnshardAfterItsBackwardIsRefused, 4,
+                 "issue 35 review (an optimizer step inside unshard() after a backward inside it moved nothing, "
+                 "silently)") {
+  for_each(c, every_strategy(c, /*bf16=*/true), [&](const Variant& v) {
+    torch::manual_seed(0);
+    TiedCNN mine(8, false);
+    torch::manual_seed(0);
+    TiedCNN local(8, false);
+    fsdp::Options o = v.options;
+    o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
+    fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
+    // SGD with momentum refuses before it changes anything (its first read is the gradient).
+    torch::optim::SGD optim(model.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    torch::optim::SGD local_optim(unique_parameters(*local), torch::optim::SGDOptions(0.05).momentum(0.9));
+    const double tol = v.mixed_precision() ? 2e-2 : 1e-5;
+    const std::vector<std::string> says{"inside an unshard() scope", "End the unshard() scope before"};
+    for (int step = 0; step < 4; ++step) {
+      const auto x = randn(100 + step, {8, 3, 8, 8});
+      const auto y = randint(200 + step, 10, {8});
+      optim.zero_grad();
+      double loss = 0;
+      {
+        auto whole = model.unshard();
+        auto run = [&] {
+          auto l = torch::cross_entropy_loss(model(my_rows(c, x)), my_rows(c, y));
+          l.backward();
+          loss = global_mean(c, l.to(torch::kFloat).item().toDouble());
+        };
+        run();
+        if (step == 0) {
+          c.expect_refused("the optimizer step inside the scope", [&] { optim.step(); }, says);
+          c.expect_refused("fsdp's clip_grad_norm_ inside the scope", [&] { model.clip_grad_norm_(1.0); }, says);
+          c.expect_refused("libtorch's clip_grad_norm_ inside the scope",
+                           [&] { torch::nn::utils::clip_grad_norm_(model.parameters(), 1.0); }, says);
+        }
+        if (step == 2) {
+          // zero_grad to None inside the scope drops what its backward left, as in local training.
+          optim.zero_grad();
+          run();
+        }
+      }
+      optim.step();
+      local_optim.zero_grad();
+      auto local_loss = torch::cross_entropy_loss(local->forward(x), y);
+      local_loss.backward();
+      if (step == 2) {
+        local_optim.zero_grad();
+        local_loss = torch::cross_entropy_loss(local->forward(x), y);
+        local_loss.backward();
+      }
+      local_optim.step();
+      c.expect_near("loss at step " + std::to_string(step), loss, local_loss.item().toDouble(), tol);
     }
     expect_same_model(c, model, *mine, *local, tol);
   });

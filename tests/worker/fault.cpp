@@ -1,9 +1,9 @@
-// fsdp-test-worker fault --fault kill|throw|branch --fault-rank R --fault-at forward|backward|step|between
+// fsdp-test-worker fault --fault kill|throw|branch|skip --fault-rank R --fault-at forward|backward|step|between
 //                        [--fault-step S] [--strategy S]
 //   Trains a 4-block GPT-like stack; at step S (default 2) rank R: is killed with SIGKILL at the
 //   given point of the iteration (inside forward, inside backward, inside the optimizer step, or
 //   between steps), or throws from its forward (user code failing), or runs its blocks in another
-//   order (control flow that differs across ranks). The surviving ranks must each end with an error
+//   order, or skips one (control flow that differs across ranks). The surviving ranks must each end with an error
 //   that names what failed, within the collective timeout; the test drivers time them.
 #include <signal.h>
 
@@ -58,6 +58,7 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     optim.zero_grad();
     std::vector<int> order{0, 1, 2, 3};
     if (now && a.fault == "branch") order = {3, 2, 1, 0};  // this rank's control flow differs
+    if (now && a.fault == "skip") order = {0, 1, 3};        // a unit this rank alone does not run
     auto logits = sharded.forward_with([&] {
       return model->forward(x, order, [&](int i, torch::Tensor& h) {
         if (!now || i != 2) return;
