@@ -74,6 +74,10 @@ TEST(Failure, MalformedLaunchEnvironment) {
   EXPECT_NE(run.output.find("MASTER_PORT=99999 is not a TCP port"), std::string::npos) << run.output;
   run = sh("RANK=0 WORLD_SIZE=2 MASTER_PORT=1234 env -u MASTER_ADDR " + worker() + " structure");
   EXPECT_NE(run.output.find("MASTER_ADDR is not set"), std::string::npos) << run.output;
+  // Says what to change, not only what is wrong (issue 35 review).
+  run = sh("RANK=0 WORLD_SIZE=3 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=1234 " + worker() + " structure");
+  EXPECT_NE(run.output.find("WORLD_SIZE=3 is not a multiple of LOCAL_WORLD_SIZE=2"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("Set LOCAL_WORLD_SIZE to the ranks each node runs"), std::string::npos) << run.output;
 }
 
 TEST(Failure, RanksDisagreeOnWorldSize) {
@@ -194,7 +198,9 @@ TEST(Failure, RankWhoseForwardSkipsAUnit) {
 TEST(Failure, RankThatNeverArrives) {
   // A world of 3 where rank 2 is never started: ranks 0 and 1 must give up with a clear error.
   const int p = port();
-  auto run = all_must_fail({env(0, 3, p) + worker() + " structure", env(1, 3, p) + worker() + " structure"});
+  // A short wait for it (FSDP_INIT_TIMEOUT_S, 30 s by default): what is asserted is the message.
+  const std::string wait = "FSDP_INIT_TIMEOUT_S=8 ";
+  auto run = all_must_fail({wait + env(0, 3, p) + worker() + " structure", wait + env(1, 3, p) + worker() + " structure"});
   expect_every_rank_failed(run, 2);
   EXPECT_NE(run.output.find("never arrived"), std::string::npos) << run.output;
   // Named, with its node: a host that never joined shows as its ranks.

@@ -79,12 +79,17 @@ LaunchEnv LaunchEnv::from_environment() {
   e.local_rank = env_int("LOCAL_RANK", false, e.rank % e.local_world_size, 0);
   if (e.local_rank >= e.local_world_size) {
     throw std::invalid_argument("fsdp: LOCAL_RANK=" + std::to_string(e.local_rank) +
-                                " is not below LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size));
+                                " is not below LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size) +
+                                ": LOCAL_RANK is this process's index on its node (0 to LOCAL_WORLD_SIZE - 1). Set both "
+                                "from your launcher (torchrun and fsdp's own launcher do), or leave them unset. " +
+                                kLaunchHelp);
   }
   if (e.world_size % e.local_world_size != 0) {
     throw std::invalid_argument("fsdp: WORLD_SIZE=" + std::to_string(e.world_size) +
                                 " is not a multiple of LOCAL_WORLD_SIZE=" +
-                                std::to_string(e.local_world_size) + " (ranks per node)");
+                                std::to_string(e.local_world_size) + " (ranks per node): every node runs the same "
+                                "number of ranks. Set LOCAL_WORLD_SIZE to the ranks each node runs (it must divide "
+                                "WORLD_SIZE), or leave it unset for one node. " + kLaunchHelp);
   }
   const bool multi = e.world_size > 1;
   const char* addr = std::getenv("MASTER_ADDR");

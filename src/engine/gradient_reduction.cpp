@@ -275,6 +275,9 @@ void GradientReduction::restore() {
 }
 
 void GradientReduction::hold() {
+  // A backward that did not reach this unit leaves the stand-ins of the one before: what the user
+  // did to them since (zero_grad) counts first.
+  take_stand_ins();
   if (!stashed_ || pending_ || form_ != Form::SHARDED) return;
   const auto& params = handle_.params();
   stand_ins_.assign(params.size(), at::Tensor());
