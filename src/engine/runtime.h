@@ -100,6 +100,13 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   // Outside forward and backward (IDLE, or FORWARD_DONE with every graph gone): for calls that
   // need the parameters at rest. Ends an abandoned iteration first.
   bool at_rest();
+  // Whether an unshard() scope holds some unit gathered now.
+  bool any_pinned() const {
+    for (int n : pins_) {
+      if (n > 0) return true;
+    }
+    return false;
+  }
 
   const MemoryBytes& memory() const { return memory_; }
   const OverlapStats& overlap() const { return overlap_; }

@@ -72,7 +72,9 @@ void Runtime::on_unreduced_grad_op(const c10::OperatorHandle& op, size_t u, bool
   ++detection_.operator_calls_at_rest;
   if (units_[u]->reduction().held()) {
     const std::string& name = op.operator_name().name;
-    if (name == "aten::detach_") return;  // zero_grad(false) detaches first; its zero_ is refused below
+    // Detaching is how both zero_grads start (the optimizer's detach_(), the module's detach() before
+    // it resets the gradient to None); zeroing the stand-in in place is refused below.
+    if (name == "aten::detach_" || name == "aten::detach") return;
     touch::Suppress own_work;
     throw Refusal("fsdp: " + name + (writes ? " writes" : " reads") + " a gradient of unit '" +
                   comm_.unit_name(static_cast<int>(u)) + "' inside an unshard() scope, which holds the unit's "

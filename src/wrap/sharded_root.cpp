@@ -306,6 +306,9 @@ void ShardedRoot::summon(bool rank0_only, bool writeback) {
                                           "rank 0 holds the whole parameters. Pass writeback = false.");
   TORCH_CHECK(runtime_->at_rest(), "fsdp: summon_full_params must be called outside forward and backward, not "
                                    "between a forward and its backward");
+  TORCH_CHECK(!runtime_->any_pinned(), "fsdp: summon_full_params inside an unshard() scope: the scope holds units "
+                                       "gathered for forward and backward. End the unshard() scope first (let the "
+                                       "object unshard() returned go out of scope), then summon.");
   const bool keep = !rank0_only || mesh_->rank() == 0;
   for (auto& u : units_) u->handle().summon(keep);
   summoned_ = true;

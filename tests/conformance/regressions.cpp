@@ -292,6 +292,13 @@ CONFORMANCE_CASE(Regressions, StepInsideUnshardAfterItsBackwardIsRefused, 4,
           c.expect_refused("fsdp's clip_grad_norm_ inside the scope", [&] { model.clip_grad_norm_(1.0); }, says);
           c.expect_refused("libtorch's clip_grad_norm_ inside the scope",
                            [&] { torch::nn::utils::clip_grad_norm_(model.parameters(), 1.0); }, says);
+          c.expect_refused("summon_full_params inside the scope", [&] { auto full = model.summon_full_params(); },
+                           {"inside an unshard() scope", "End the unshard() scope first"});
+        }
+        if (step == 1) {
+          // The module's own zero_grad (detach, then None) drops them too.
+          mine->zero_grad();
+          run();
         }
         if (step == 2) {
           // zero_grad to None inside the scope drops what its backward left, as in local training.
@@ -310,7 +317,7 @@ CONFORMANCE_CASE(Regressions, StepInsideUnshardAfterItsBackwardIsRefused, 4,
       local_optim.zero_grad();
       auto local_loss = torch::cross_entropy_loss(local->forward(x), y);
       local_loss.backward();
-      if (step == 2) {
+      if (step == 1 || step == 2) {
         local_optim.zero_grad();
         local_loss = torch::cross_entropy_loss(local->forward(x), y);
         local_loss.backward();
