@@ -5,7 +5,8 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
-#include <vector>
+
+#include <c10/util/SmallVector.h>
 
 #include "engine/param_key.h"
 
@@ -33,7 +34,7 @@ void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
   };
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
-  std::vector<Hit> hits;
+  c10::SmallVector<Hit, 2> hits;  // an optimizer's update: the parameter and its gradient, no allocation
   {
     std::shared_lock<std::shared_mutex> lock(g_mutex);
     for (size_t i = 0; i < n; ++i) {

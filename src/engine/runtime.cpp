@@ -477,7 +477,9 @@ void Runtime::end_iteration(bool keep_graph) {
       // parameters show stand-ins that refuse a step or a clip (gradient_reduction.h, hold).
       units_[u]->reduction().hold();
     }
-    register_unreduced_gradients(u);
+    // The guard follows what the gradients are now (stand-ins made or taken): only a unit that is
+    // pinned or had guarded gradients can have changed, so the usual step touches no registry.
+    if (pinned(u) || !guarded_grads_[u].empty()) register_unreduced_gradients(u);
     units_[u]->end_iteration(keep_graph);
   }
   backward_pending_ = false;
