@@ -120,6 +120,10 @@ torch::Tensor T5AttentionImpl::position_bias(int64_t Tq, int64_t Tk, c10::Device
                    .to(torch::kLong))
           .clamp_max(buckets - 1);
   bucket = bucket + torch::where(n < exact, n, large);
+  // Under tensor parallelism the table is split by heads (t5_tensor_parallel_plan): each rank looks
+  // up its own heads' biases, which its attention adds to its own heads' scores: a use of a split
+  // parameter fsdp is told about.
+  fsdp::TensorParallelLayerScope own_heads;
   torch::Tensor bias = torch::embedding(relative_attention_bias->weight, bucket).permute({2, 0, 1}).unsqueeze(0);  // [1, H, Tq, Tk]
   if (causal) {
     const torch::Tensor future = torch::ones({Tq, Tk}, torch::TensorOptions().dtype(torch::kBool).device(device)).triu(1);

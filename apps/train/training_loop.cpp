@@ -153,6 +153,15 @@ int train(const Config& c) {
   }
   const std::shared_ptr<fsdp::TensorParallel> tp = c.tp > 1 ? fsdp::TensorParallel::create(world, c.tp) : nullptr;
   const std::string checkpoint_kind = c.checkpoint_kind != "auto" ? c.checkpoint_kind : tp ? "full" : "sharded";
+  // A split model saves FULL checkpoints only, which are written synchronously: said before the run
+  // trains, not at its first save.
+  if (tp && !c.save_dir.empty() && (checkpoint_kind != "full" || c.async_save)) {
+    throw std::invalid_argument("--tp " + std::to_string(c.tp) + ": split models save FULL checkpoints only (a split parameter's "
+                                "parts are put together as they are gathered), which are written synchronously: " +
+                                (checkpoint_kind != "full" ? "drop --checkpoint-kind " + checkpoint_kind
+                                                           : std::string("drop --async-save")) +
+                                " (the default under --tp is full)");
+  }
   const std::shared_ptr<fsdp::Mesh> mesh = tp ? tp->data_parallel() : world;
   const int world_rank = live ? env.rank : world->rank();
   // Share the cores among the local ranks instead of oversubscribing them (a simulated rank is

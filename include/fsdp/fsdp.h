@@ -276,6 +276,12 @@ class FullyShardedDataParallelBase {
                                Options options);
   // Mixed precision's param_dtype, which floating-point forward inputs are cast to.
   std::optional<c10::ScalarType> input_dtype() const;
+  // With tensor parallelism, until a first forward's inputs passed the check: the TP ranks of a
+  // data-parallel group must give forward the same inputs (the same rows of the batch). Compares
+  // the forward's tensor arguments across the TP group (collective over it) and throws, naming
+  // the argument, when they differ.
+  bool inputs_unchecked() const;
+  void check_inputs(const std::vector<at::Tensor>& inputs);
 
  private:
   friend struct detail::RootAccess;
@@ -303,6 +309,7 @@ class FullyShardedDataParallel : public FullyShardedDataParallelBase {
   // parameters of another dtype is refused by name.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
+    if (inputs_unchecked()) check_inputs({tensor_argument(args)...});
     const auto dtype = input_dtype();
     return forward_with([&]() -> decltype(auto) { return module_->forward(cast_input(dtype, std::forward<Args>(args))...); });
   }
@@ -313,6 +320,14 @@ class FullyShardedDataParallel : public FullyShardedDataParallelBase {
   const std::shared_ptr<ModuleType>& module() const { return module_; }
 
  private:
+  template <typename T>
+  static at::Tensor tensor_argument(const T& arg) {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return arg;
+    } else {
+      return at::Tensor();
+    }
+  }
   template <typename T>
   static decltype(auto) cast_input(const std::optional<c10::ScalarType>& dtype, T&& arg) {
     if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {

@@ -36,6 +36,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
 #include "fsdp/mesh.h"
@@ -78,16 +79,25 @@ struct TensorParallelShard {
 };
 
 // One rule of a plan: parameters whose name matches `pattern` ('*' matches any run of characters
-// but '.', "**" any run at all) are split as `shard`.
+// but '.', "**" any run at all) are split as `shard`; or, with `partial_gradient`, not split but
+// summed over the TP group in backward (partial_gradient_rule).
 struct TensorParallelRule {
   std::string pattern;
   TensorParallelShard shard;
+  bool partial_gradient = false;
 };
 // The usual rules, for a Linear named by its module path: weight and bias split by output
 // features (column) or the weight by input features and the bias replicated (row).
 std::vector<TensorParallelRule> column_parallel_rule(const std::string& module_pattern, int64_t parts = 1,
                                                      bool bias = true);
 std::vector<TensorParallelRule> row_parallel_rule(const std::string& module_pattern);
+// A replicated parameter (every TP rank holds it whole) that each TP rank applies to its own part
+// of split activations: a QK-norm's weight over this rank's heads, a scale per head indexed by the
+// local heads, key/value projections replicated because there are fewer KV heads than TP ranks.
+// Each rank's gradient is then its part's share; fsdp sums the shares over the TP group before the
+// data-parallel reduction, so every rank steps the whole gradient. Without the rule the check
+// after backward refuses such a parameter by name (its gradient differs across the TP group).
+TensorParallelRule partial_gradient_rule(const std::string& param_pattern);
 
 // Applies `plan` to `model` (built whole, every TP rank from the same seed): each parameter a rule
 // names keeps its TensorImpl and now holds this rank's part. Throws std::invalid_argument naming
@@ -105,10 +115,42 @@ struct TensorParallelPlacement {
   std::shared_ptr<TensorParallel> tp;
 };
 std::optional<TensorParallelPlacement> tensor_parallel_placement(const at::Tensor& param);
+// The TP group a partial_gradient_rule named `param` for (by TensorImpl), null for any other.
+std::shared_ptr<TensorParallel> tensor_parallel_partial_gradient(const at::Tensor& param);
 // This rank's part of a whole tensor split as `shard` over `size` ranks (a contiguous copy).
 at::Tensor tensor_parallel_part(const at::Tensor& whole, const TensorParallelShard& shard, int rank, int size);
 // The whole tensor from every rank's part (collective over the TP group; a copy).
 at::Tensor tensor_parallel_whole(const at::Tensor& part, const TensorParallelPlacement& placement);
+
+// A layer of your own that uses split parameters directly (at::linear on a column-split weight
+// between the region primitives below, an embedding of heads split along dimension 1): operators
+// that reach a split parameter inside the scope are the layer's, and fsdp lets them pass. Outside
+// any scope (and outside fsdp's own layers, which open one) such an operator is refused in forward:
+// it would compute with this rank's part as if it were the whole (partial gradients for everything
+// before it, silently). Per thread; nests.
+class TensorParallelLayerScope {
+ public:
+  TensorParallelLayerScope();
+  ~TensorParallelLayerScope();
+  TensorParallelLayerScope(const TensorParallelLayerScope&) = delete;
+  TensorParallelLayerScope& operator=(const TensorParallelLayerScope&) = delete;
+};
+
+// The regions of Megatron-LM (its f, g and the gathers), for layers of your own. Collective over
+// `tp`'s group; each is the identity when `tp` has one rank.
+// copy_to: identity forward; backward sums the gradient over the group (a replicated input enters
+// split computation: each rank's gradient is a part of the whole one).
+at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp);
+// reduce_from: sums partial results over the group in forward; identity backward.
+at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp);
+// gather_from: each rank's part of `dim` put side by side (rank order) in forward; backward keeps
+// this rank's part of the gradient. For split logits: the whole vocabulary, to sample from.
+at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp,
+                                              int64_t dim = -1);
+// scatter_to: this rank's part of `dim` (which the group size must divide) in forward; backward
+// gathers the parts' gradients.
+at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp,
+                                             int64_t dim = -1);
 
 // The layers' forward. Each is a plain call when its weight is not split (or TP has one rank).
 // Column-parallel: x is whole (replicated); the output holds this rank's output features. Backward
@@ -120,13 +162,28 @@ at::Tensor column_parallel(torch::nn::Linear& linear, const at::Tensor& x);
 at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x);
 // A lookup in an embedding split by rows: each rank looks up the ids in its rows, the rest are
-// zero, and the TP group's sum is the whole lookup.
+// zero, and the TP group's sum is the whole lookup. The plain lookup (at::embedding): no
+// padding_idx, max_norm or scale_grad_by_freq; the Embedding overload honours them.
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight);
+// The module's lookup with its options, split or not: padding_idx (that row's gradient stays 0),
+// max_norm (the rows looked up renormalized in place, by the rank that holds them) and
+// scale_grad_by_freq (counts over the whole batch of ids); a plain module call when not split.
+at::Tensor vocab_parallel_embedding(torch::nn::Embedding& embedding, const at::Tensor& ids);
 // Mean cross entropy of logits split along the last dimension (each rank's classes, e.g. the
 // output of column_parallel with a vocabulary-split weight) against int64 targets, without
 // gathering the logits: the max, the sum of exponentials and the target's logit are all-reduced.
 // `weight`: the split weight the logits came from (names the group); plain when not split. Every
-// target must be a class (no ignore_index when split: refused).
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weight);
+// target must be a class or, with `options.ignore_index`, that index (a row that counts nothing).
+struct VocabParallelCrossEntropyOptions {
+  // As torch::nn::functional::cross_entropy: the target that counts nothing (-100 by default there;
+  // unset here, so that a stray target is refused rather than ignored), the smoothing of the
+  // target distribution towards uniform over all classes, and the reduction: "mean" over the rows
+  // that count, "sum", or "none" (one loss per row, 0 for ignored rows).
+  std::optional<int64_t> ignore_index;
+  double label_smoothing = 0.0;
+  std::string reduction = "mean";
+};
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weight,
+                                        const VocabParallelCrossEntropyOptions& options = {});
 
 }  // namespace fsdp

@@ -1,6 +1,7 @@
 #include "comm/quantized_all_gather.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -23,13 +24,28 @@ at::Tensor block_of_each(const BlockStarts& blocks, int64_t numel) {
                                at::tensor(lengths, at::kLong));
 }
 
+// The finite range of a block that also holds inf or NaN: the codes beyond it stand for those.
+double code_max_finite_in_special(AllGatherQuantization mode) {
+  return mode == AllGatherQuantization::INT8 ? 126.0 : 416.0;
+}
+
 // One record -> [numel] fp32.
 at::Tensor dequantize_one(const at::Tensor& rec, AllGatherQuantization mode, const QuantizedRecord& record,
                           const BlockStarts& blocks) {
   const int64_t n_blocks = static_cast<int64_t>(blocks.size());
-  const at::Tensor scale = rec.narrow(0, 0, 4 * n_blocks).view(at::kFloat);
+  const at::Tensor stored = rec.narrow(0, 0, 4 * n_blocks).view(at::kFloat);
   const at::Tensor codes = rec.narrow(0, 4 * record.max_blocks, record.numel).view(code_dtype(mode)).to(at::kFloat);
-  return codes.mul_(scale.index_select(0, block_of_each(blocks, record.numel).to(rec.device())));
+  const at::Tensor which = block_of_each(blocks, record.numel).to(rec.device());
+  at::Tensor out = codes.mul(stored.abs().index_select(0, which));
+  const at::Tensor special = stored.signbit();  // blocks holding inf or NaN
+  const at::Tensor in_special = special.index_select(0, which);
+  const double top = code_max(mode), inf = std::numeric_limits<double>::infinity();
+  out.masked_fill_(in_special.logical_and(codes.eq(top)), inf);
+  out.masked_fill_(in_special.logical_and(codes.eq(-top)), -inf);
+  if (mode == AllGatherQuantization::INT8) {
+    out.masked_fill_(in_special.logical_and(codes.eq(-128)), std::numeric_limits<double>::quiet_NaN());
+  }
+  return out;
 }
 }  // namespace
 
@@ -60,15 +76,33 @@ at::Tensor quantize_shard(const at::Tensor& shard, AllGatherQuantization mode, c
   const int64_t n_blocks = static_cast<int64_t>(blocks.size());
   const at::Tensor x = shard.reshape(-1).to(at::kFloat);
   const at::Tensor which = block_of_each(blocks, record.numel).to(x.device());
+  const at::Tensor finite = at::isfinite(x);
+  const at::Tensor values = at::where(finite, x, at::zeros_like(x));
+  // Blocks holding inf or NaN (quantize_all_gather.h: their scale's sign bit says so).
+  const at::Tensor special = at::zeros({n_blocks}, x.options())
+                                 .scatter_reduce_(0, which, finite.logical_not().to(at::kFloat), "amax", true)
+                                 .gt(0);
+  const at::Tensor range = at::where(special, at::full({n_blocks}, code_max_finite_in_special(mode), x.options()),
+                                     at::full({n_blocks}, code_max(mode), x.options()));
   const at::Tensor scale = at::zeros({n_blocks}, x.options())
-                               .scatter_reduce_(0, which, x.abs(), "amax", /*include_self=*/true)
-                               .div_(code_max(mode));
-  // 1/scale where the block is not all zeros; zeros quantize to code 0 either way.
-  const at::Tensor inverse = at::where(scale > 0, scale.reciprocal(), at::zeros_like(scale));
-  at::Tensor scaled = x.mul(inverse.index_select(0, which));
-  const at::Tensor codes = mode == AllGatherQuantization::INT8 ? scaled.round_().clamp_(-127, 127).to(at::kChar)
-                                                               : scaled.clamp_(-448, 448).to(at::kFloat8_e4m3fn);
-  packed.narrow(0, 0, 4 * n_blocks).view(at::kFloat).copy_(scale);
+                               .scatter_reduce_(0, which, values.abs(), "amax", /*include_self=*/true)
+                               .div_(range);
+  // 1/scale where the block is not all zeros and the reciprocal is a float; zeros (and values too
+  // small to scale) quantize to code 0.
+  at::Tensor inverse = at::where(scale > 0, scale.reciprocal(), at::zeros_like(scale));
+  inverse = at::where(at::isfinite(inverse), inverse, at::zeros_like(inverse));
+  const at::Tensor limit = range.index_select(0, which);
+  at::Tensor scaled = values.mul(inverse.index_select(0, which));
+  // No host sync on the way (the usual block holds no inf): the limits and the codes of the
+  // non-finite values are applied to every element.
+  if (mode == AllGatherQuantization::INT8) scaled.round_();
+  scaled = at::minimum(at::maximum(scaled, limit.neg()), limit);
+  const double top = code_max(mode);
+  scaled.masked_fill_(x.isposinf(), top);
+  scaled.masked_fill_(x.isneginf(), -top);
+  scaled.masked_fill_(x.isnan(), mode == AllGatherQuantization::INT8 ? -128.0 : std::numeric_limits<double>::quiet_NaN());
+  const at::Tensor codes = mode == AllGatherQuantization::INT8 ? scaled.to(at::kChar) : scaled.to(at::kFloat8_e4m3fn);
+  packed.narrow(0, 0, 4 * n_blocks).view(at::kFloat).copy_(at::where(special, scale.neg(), scale));
   packed.narrow(0, 4 * record.max_blocks, record.numel).view(code_dtype(mode)).copy_(codes);
   return packed;
 }

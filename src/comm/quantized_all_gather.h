@@ -19,8 +19,13 @@
 //   FP8_E4M3  scale = max|x| / 448, code = e4m3(x / scale): relative error <= 2^-4 (values below
 //             e4m3's normal range, 2^-6 of the block's max, keep an absolute error of 2^-10 scale)
 //
-// A block of zeros gets scale 0 and comes back as zeros. The functions are deterministic: the same
-// shard gives the same bytes on every call, so forward and backward compute with the same values.
+// A block of zeros gets scale 0 and comes back as zeros; so does a block too small for its scale's
+// reciprocal to be a float (max|x| below ~1e-36 in FP8). A block holding inf or NaN (a frozen -inf
+// mask) is marked by its scale's sign bit: its finite values use a slightly smaller range (INT8
+// 126, FP8 416) and the codes beyond it stand for the others (INT8 127 +inf, -127 -inf, -128 NaN;
+// FP8 +448 +inf, -448 -inf, NaN NaN), so they come back exactly and the finite ones beside them
+// stay finite. The functions are deterministic: the same shard gives the same bytes on every call,
+// so forward and backward compute with the same values.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,7 @@
 #include "engine/gradient_reduction.h"
 
+#include "fsdp/tensor_parallel.h"
+
 #include <c10/core/GradMode.h>
 #include <c10/util/strides.h>
 
@@ -89,6 +91,36 @@ void GradientReduction::keep_unsharded() {
   stashed_ = false;
 }
 
+void GradientReduction::set_tensor_parallel_sum(const TensorParallel* tp, std::vector<size_t> params) {
+  tp_sum_group_ = tp;
+  tp_sum_params_ = std::move(params);
+}
+
+void GradientReduction::sum_over_tensor_parallel(at::Tensor& flat) {
+  // Every TP rank of this unit reaches here in the same backward at the same point (they run the
+  // same graph), with the same parameters' gradients: one all-reduce of their segments, in the
+  // reduce dtype, before the data-parallel mean.
+  if (!tp_sum_group_ || tp_sum_group_->size() == 1) return;
+  const auto& entries = handle_.layout().entries();
+  std::vector<at::Tensor> segments;
+  for (size_t i : tp_sum_params_) segments.push_back(flat.narrow(0, entries[i].offset, entries[i].numel));
+  at::Tensor packed = at::cat(segments);
+  std::vector<at::Tensor> v{packed};
+  try {
+    auto work = tp_sum_group_->group(packed.device().type())->allreduce(v);
+    if (!work->wait()) throw std::runtime_error("the work did not complete");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    throw std::runtime_error("fsdp: summing partial gradients (partial_gradient_rule) over the tensor-parallel group "
+                             "failed: " + what.substr(0, what.find('\n')));
+  }
+  int64_t at = 0;
+  for (auto& seg : segments) {
+    seg.copy_(packed.narrow(0, at, seg.numel()));
+    at += seg.numel();
+  }
+}
+
 void GradientReduction::begin(bool no_sync) {
   if (pending_) finish();  // one reduction per unit at a time, in issue order
   if (no_sync) {
@@ -115,6 +147,7 @@ void GradientReduction::begin(bool no_sync) {
   form_ = Form::SHARDED;
   stashed_ = true;  // what grads_ holds (possibly nothing) is this iteration's to restore
   if (!any) return;
+  if (!tp_sum_params_.empty()) sum_over_tensor_parallel(flat);
 
   // Each rank's loss is the mean over its part of the global batch, so the global mean gradient is
   // the mean over ranks. In low precision divide before summing, so the sum cannot overflow

@@ -50,6 +50,8 @@
 
 namespace fsdp {
 
+class TensorParallel;
+
 // The most reduce-scatters whose inputs (a unit's unsharded gradients) may be alive at once:
 // backward waits for the oldest beyond it (Runtime::reduce), and the memory plan counts on it.
 inline constexpr int kMaxReductionsInFlight = 2;
@@ -64,6 +66,9 @@ class GradientReduction {
   GradientReduction& operator=(const GradientReduction&) = delete;
 
   Form form() const { return form_; }
+  // Parameters (by index) whose gradient each TP rank computes a part of (partial_gradient_rule in
+  // fsdp/tensor_parallel.h): begin sums them over `tp`'s group before the data-parallel reduction.
+  void set_tensor_parallel_sum(const TensorParallel* tp, std::vector<size_t> params);
   void stash();
   // Whether the parameters hold gradients that a synchronized reduction has still to reduce.
   bool has_unreduced() const;
@@ -104,6 +109,10 @@ class GradientReduction {
   int64_t reducing_bytes() const;        // unsharded gradients an unfinished reduce-scatter still reads
 
  private:
+  const TensorParallel* tp_sum_group_ = nullptr;
+  std::vector<size_t> tp_sum_params_;
+  // The partial gradients in `flat` summed over the TP group (begin, synchronized).
+  void sum_over_tensor_parallel(at::Tensor& flat);
   struct Pending {
     at::Tensor input;          // [padded_numel] unsharded gradients (reduce-scatter input), freed
                                // as soon as the reduce-scatter is done

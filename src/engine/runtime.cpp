@@ -1,5 +1,7 @@
 #include "engine/runtime.h"
 
+#include "fsdp/tensor_parallel.h"
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -52,7 +54,22 @@ Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& opt
     drain_leaf_ = at::ones({1}).requires_grad_();
     drain_out_ = drain_leaf_ * 2;  // its node is numbered before any forward's
   }
+  tp_split_.resize(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& params = units_[u]->handle().params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto placement = tensor_parallel_placement(params[i]);
+      if (!placement || placement->tp->size() == 1) continue;
+      tp_split_[u].resize(params.size(), false);
+      tp_split_[u][i] = true;
+    }
+    std::vector<size_t> partial;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (tensor_parallel_partial_gradient(params[i])) partial.push_back(i);
+    }
+    if (!partial.empty() && options_.tensor_parallel) {
+      units_[u]->reduction().set_tensor_parallel_sum(options_.tensor_parallel.get(), std::move(partial));
+    }
     touch::register_storage(this, u, units_[u]->handle().shard_storage());
     if (units_[u]->handle().has_unsharded_buffer()) touch::register_storage(this, u, units_[u]->handle().unsharded_storage());
     if (units_[u]->is_root()) root_unit_ = u;
@@ -311,6 +328,7 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
         forward_begins(u);  // the root, at its first operator of each forward
       }
       use(u);
+      if (!tp_split_[u].empty()) check_split_use(u, tensor);
       if (writes) note_forward_write(u);
       // Whether backward will come is autograd's to say: an operator that records a graph node
       // (grad mode on and an input requiring grad) may save this unit's tensors for backward.
@@ -456,7 +474,9 @@ void Runtime::finish_backward() {
   check_sequence();
   // A graph backwarded with retain_graph may be backwarded again, and so may another forward's
   // graph that is still alive: stay armed for them (end_iteration keeps their nodes).
+  const bool synchronized = !no_sync_;
   end_iteration(torch::autograd::get_current_graph_task_keep_graph());
+  if (refuse_at_end_.empty() && synchronized) check_replicated_gradients();
   if (!refuse_at_end_.empty()) {
     const std::string refusal = std::move(refuse_at_end_);
     refuse_at_end_.clear();

@@ -134,6 +134,13 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void note_forward_write(size_t unit);
   void merge_forward_writes(size_t unit);
   void merge_pending_writes();
+  // Tensor parallelism (runtime_tensor_parallel.cpp). An operator of the forward reached `tensor`,
+  // a parameter of `unit`: one split for TP is refused outside a tensor-parallel layer.
+  void check_split_use(size_t unit, const c10::TensorImpl* tensor);
+  // After a synchronized backward: every replicated parameter's gradient agrees across the TP group,
+  // or a Refusal names those that differ.
+  void check_replicated_gradients();
+  std::vector<std::vector<bool>> tp_split_;  // per unit, per parameter: split for TP (empty: none is)
   bool operator_wrote_ = false;  // the operator being delivered writes a unit's parameter
   bool merge_due_ = false;       // an operator that wrote has run: merge before the next touch
   // Units the operator being delivered touched (one operator may read two units: a decoder

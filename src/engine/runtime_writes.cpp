@@ -6,7 +6,8 @@
 // them, and once it has run, before the next operator touches a unit (or the unit is freed, or the
 // forward ends), what every rank changed is merged: an element-wise max over all ranks of the
 // changed values (minus infinity where a rank changed nothing), into the gathered copy and the
-// shards. Ranks that change an element compute the same value from the same
+// shards (only the written elements: the rest of a gathered copy may be dequantized, not the
+// shard's exact values). Ranks that change an element compute the same value from the same
 // gathered parameters, so the merge is exact, and equal to local training's writes for the rows
 // the global batch touched. A write in a low-precision compute copy (mixed precision) cannot reach
 // the fp32 master exactly: refused by name.
@@ -58,8 +59,12 @@ void Runtime::merge_forward_writes(size_t u) {
   const at::Tensor merged = at::where(written.ne(none), written, before);
   const MeshInfo& mesh = comm_.mesh();
   if (h.has_unsharded_buffer()) {
+    // Only the written elements reach the shard: the rest of the gathered copy may not be the
+    // shard's exact values (a quantized all-gather dequantizes them), and merging it back would
+    // snap the fp32 master to the quantization grid at every forward.
     const int64_t n = h.layout().shard_numel();
-    h.shard().copy_(merged.narrow(0, mesh.shard_rank * n, n));
+    const at::Tensor mine = written.narrow(0, mesh.shard_rank * n, n);
+    h.shard().copy_(at::where(mine.ne(none), mine.to(h.shard().scalar_type()), h.shard()));
     if (h.state() == HandleState::UNSHARDED) now.copy_(merged);  // the rest of this pass sees them
   } else {
     now.copy_(merged);  // F = 1 without a cast: the parameters are the shard

@@ -93,6 +93,12 @@ std::shared_ptr<torch::autograd::Node> Unit::expect_grad(const c10::TensorImpl* 
   return node;
 }
 
+std::optional<size_t> Unit::param_of(const c10::TensorImpl* tensor) const {
+  auto it = param_index_.find(tensor);
+  if (it == param_index_.end()) return std::nullopt;
+  return it->second;
+}
+
 bool Unit::frozen() const {
   for (const auto& p : handle_.params()) {
     if (p.requires_grad()) return false;

@@ -64,6 +64,8 @@ class Unit {
   // parameter's AccumulateGrad node (kept here weakly: while one lives, a backward can come).
   // Returns that node (null when `tensor` is not such a parameter).
   std::shared_ptr<torch::autograd::Node> expect_grad(const c10::TensorImpl* tensor);
+  // Which of the unit's parameters `tensor` is (the parameter itself, not a view of it).
+  std::optional<size_t> param_of(const c10::TensorImpl* tensor) const;
   bool graph_alive() const;
   // Whether no parameter of the unit requires grad now: backward passes through it (for its
   // inputs' gradients) without bringing it any.

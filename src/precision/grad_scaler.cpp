@@ -1,4 +1,5 @@
 #include "fsdp/grad_scaler.h"
+#include "fsdp/tensor_parallel.h"
 
 #include <stdexcept>
 #include <unordered_set>
@@ -29,6 +30,23 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   // Each gradient once: an optimizer built from model->parameters() lists a tied weight twice, and
   // dividing its gradient twice would unscale it by scale².
   std::unordered_set<const c10::TensorImpl*> seen;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      // A parameter split for tensor parallelism is trained by a job larger than the
+      // data-parallel mesh the model is wrapped over: the overflow decision must be the whole
+      // job's, or one TP rank skips a step its peers take (decided before anything is divided, on
+      // every rank alike: the optimizer's parameters are the same everywhere).
+      if (const auto placement = tensor_parallel_placement(p);
+          placement && placement->tp->size() > 1 && placement->tp->world()->world_size() != mesh_->world_size()) {
+        throw std::invalid_argument(
+            "fsdp: this ShardedGradScaler was made on a mesh of " + std::to_string(mesh_->world_size()) +
+            " ranks, and the optimizer steps parameters split for tensor parallelism by a job of " +
+            std::to_string(placement->tp->world()->world_size()) + ": an overflow in one TP rank's parts must skip "
+            "every rank's step, or the TP ranks' replicas drift apart. Make the scaler on the job's mesh: "
+            "fsdp::ShardedGradScaler(tp->world()), as the Checkpointer takes it.");
+      }
+    }
+  }
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       at::Tensor g = p.mutable_grad();

@@ -11,8 +11,14 @@
 
 #include <stdexcept>
 
+#include "tensor_parallel/layer_scope.h"
+
 namespace fsdp {
 namespace {
+
+// How many TensorParallelLayerScopes this thread is in (fsdp's layers open one around the
+// operators that read a split weight).
+thread_local int t_layer_depth = 0;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -89,39 +95,77 @@ at::Tensor ReduceFromRegion::forward(AutogradContext*, const at::Tensor& x, int6
 }
 
 // Cross entropy over classes split across the TP group: each rank holds logits [N, V / tp] of the
-// classes [begin, begin + V / tp). Computed in fp32 whatever the logits' dtype.
+// classes [begin, begin + V / tp). Computed in fp32 whatever the logits' dtype. As PyTorch's: a row
+// whose target is the ignored index counts nothing; with label smoothing e a row's loss is
+// (1 - e) (lse - x_t) + e (lse - mean over all V classes of x_c), lse the log-sum-exp; "mean"
+// divides by the rows that count.
+enum class CeReduction : int64_t { MEAN, SUM, NONE };
+
 struct SplitCrossEntropy : torch::autograd::Function<SplitCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t begin,
-                            int64_t tp_key) {
+                            int64_t tp_key, std::optional<int64_t> ignore, double smoothing, int64_t reduction) {
     const auto tp = by_key(tp_key);
-    const int64_t local = logits.size(-1);
+    const int64_t local = logits.size(-1), classes = local * tp->size();
     // Two [N, V / tp] fp32 arrays at most (the logits' fp32 copy and the exponentials, which become
     // the softmax in place): what the memory plan counts (models::GPTConfig::head_activation_bytes).
     at::Tensor x = logits.reshape({-1, local}).to(at::kFloat);
     const at::Tensor t = targets.reshape({-1});
     at::Tensor max = std::get<0>(x.max(-1));
     all_reduce_(max, c10d::ReduceOp::MAX, *tp, "the logits' maximum");
-    const at::Tensor here = (t >= begin).logical_and(t < begin + local);
+    const at::Tensor counts = ignore ? t.ne(*ignore) : at::ones_like(t, t.options().dtype(at::kBool));
+    const at::Tensor here = (t >= begin).logical_and(t < begin + local).logical_and(counts);
     const at::Tensor index = (t - begin).masked_fill(here.logical_not(), 0);
     const at::Tensor picked = x.gather(1, index.unsqueeze(1)).squeeze(1).sub(max).masked_fill(here.logical_not(), 0.0);
+    std::vector<at::Tensor> parts = {at::Tensor(), picked};
+    if (smoothing > 0) parts.push_back((x - max.unsqueeze(1)).sum(-1));
     at::Tensor e = (x - max.unsqueeze(1)).exp_();
     x = at::Tensor();
-    at::Tensor sums = at::stack({e.sum(-1), picked});  // one all-reduce for both
+    parts[0] = e.sum(-1);
+    at::Tensor sums = at::stack(parts);  // one all-reduce for all
     all_reduce_(sums, c10d::ReduceOp::SUM, *tp, "the softmax's denominators");
-    const at::Tensor loss = (sums[0].log() - sums[1]).mean();
-    ctx->save_for_backward({e.div_(sums[0].unsqueeze(1)), index, here});
+    const at::Tensor lse = sums[0].log();
+    at::Tensor rows = lse - sums[1];
+    if (smoothing > 0) rows = rows.mul(1.0 - smoothing).add_((lse - sums[2] / static_cast<double>(classes)).mul_(smoothing));
+    if (ignore) rows = rows.masked_fill(counts.logical_not(), 0.0);
+    const auto red = static_cast<CeReduction>(reduction);
+    at::Tensor loss;
+    double divisor = 1.0;  // of each row's gradient, for MEAN and SUM
+    if (red == CeReduction::NONE) {
+      loss = rows.view(targets.sizes());
+    } else if (red == CeReduction::SUM) {
+      loss = rows.sum();
+    } else if (!ignore) {
+      loss = rows.mean();
+      divisor = static_cast<double>(rows.size(0));
+    } else {
+      const double n = counts.sum().item<double>();  // 0 rows counting: NaN, as PyTorch's
+      loss = rows.sum().div(n);
+      divisor = n;
+    }
+    ctx->save_for_backward({e.div_(sums[0].unsqueeze(1)), index, here, counts});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     ctx->saved_data["shape"] = logits.sizes().vec();
+    ctx->saved_data["smoothing"] = smoothing / static_cast<double>(classes);
+    ctx->saved_data["keep"] = 1.0 - smoothing;
+    ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["divisor"] = divisor;
     return loss.to(logits.scalar_type());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     at::Tensor g = saved[0].clone();  // softmax of this rank's classes
     const at::Tensor rows = at::arange(g.size(0), saved[1].options());
-    g.index_put_({rows, saved[1]}, g.index({rows, saved[1]}) - saved[2].to(g.scalar_type()));
-    g.mul_(grads[0].to(at::kFloat) / static_cast<double>(g.size(0)));
+    const double keep = ctx->saved_data["keep"].toDouble(), smoothing = ctx->saved_data["smoothing"].toDouble();
+    g.index_put_({rows, saved[1]}, g.index({rows, saved[1]}) - saved[2].to(g.scalar_type()) * keep);
+    if (smoothing > 0) g.sub_(smoothing);
+    const auto red = static_cast<CeReduction>(ctx->saved_data["reduction"].toInt());
+    at::Tensor per_row = red == CeReduction::NONE ? grads[0].reshape({-1, 1}).to(at::kFloat)
+                                                  : grads[0].to(at::kFloat) / ctx->saved_data["divisor"].toDouble();
+    g.mul_(per_row);
+    g.mul_(saved[3].unsqueeze(1));  // ignored rows: no gradient
     const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {g.to(dtype).view(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {g.to(dtype).view(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -136,6 +180,7 @@ void expect_dim(const TensorParallelPlacement& p, int64_t dim, const char* layer
 at::Tensor column_split(const TensorParallelPlacement& p, const at::Tensor& x, const at::Tensor& weight,
                         const at::Tensor& bias) {
   expect_dim(p, 0, "column_parallel");
+  TensorParallelLayerScope layer;
   return at::linear(CopyToRegion::apply(x, key_of(p.tp)), weight, bias);
 }
 
@@ -145,11 +190,93 @@ at::Tensor row_split(const TensorParallelPlacement& p, const at::Tensor& x, cons
   if (bias.defined() && tensor_parallel_placement(bias)) {
     throw std::invalid_argument("fsdp: row_parallel's bias must be replicated (added once, after the reduction); the plan split it");
   }
+  TensorParallelLayerScope layer;
   const at::Tensor y = ReduceFromRegion::apply(at::linear(x, weight), key_of(p.tp));
   return bias.defined() ? y + bias : y;
 }
 
+// Each rank's part of `dim` side by side in forward; this rank's part of the gradient backward.
+at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what) {
+  at::Tensor moved = x.movedim(dim, 0).contiguous();
+  at::Tensor all = at::empty({tp.size() * moved.numel()}, moved.options());
+  try {
+    auto work = tp.group(moved.device().type())->_allgather_base(all, moved);
+    if (!work->wait()) throw std::runtime_error("the work did not complete");
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("fsdp: the tensor-parallel all-gather of ") + what + " failed on TP rank " +
+                             std::to_string(tp.rank()) + " of " + std::to_string(tp.size()) + ": " +
+                             std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
+  }
+  std::vector<int64_t> shape = moved.sizes().vec();
+  shape[0] *= tp.size();
+  return all.view(shape).movedim(0, dim);
+}
+
+int64_t wrap_dim(int64_t dim, const at::Tensor& x) {
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  TORCH_CHECK(d >= 0 && d < x.dim(), "fsdp: dimension ", dim, " of a tensor of ", x.dim(), " dimensions");
+  return d;
+}
+
+struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, int64_t tp_key) {
+    const auto tp = by_key(tp_key);
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["rank"] = static_cast<int64_t>(tp->rank());
+    ctx->saved_data["n"] = x.size(dim);
+    return all_gather_along(x, dim, *tp, "a tensor gathered from the TP region");
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t dim = ctx->saved_data["dim"].toInt(), n = ctx->saved_data["n"].toInt();
+    return {grads[0].narrow(dim, ctx->saved_data["rank"].toInt() * n, n).contiguous(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, int64_t tp_key) {
+    const auto tp = by_key(tp_key);
+    TORCH_CHECK(x.size(dim) % tp->size() == 0, "fsdp::scatter_to_tensor_parallel_region: dimension ", dim, " (",
+                x.size(dim), ") does not split into ", tp->size(), " equal parts");
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["tp"] = tp_key;
+    const int64_t n = x.size(dim) / tp->size();
+    return x.narrow(dim, tp->rank() * n, n).contiguous();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto tp = by_key(ctx->saved_data["tp"].toInt());
+    return {all_gather_along(grads[0], ctx->saved_data["dim"].toInt(), *tp, "the gradient of a scattered tensor"),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+namespace detail {
+bool in_tensor_parallel_layer() { return t_layer_depth > 0; }
+}  // namespace detail
+
+TensorParallelLayerScope::TensorParallelLayerScope() { ++t_layer_depth; }
+TensorParallelLayerScope::~TensorParallelLayerScope() { --t_layer_depth; }
+
+at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp) {
+  TORCH_CHECK(tp, "fsdp::copy_to_tensor_parallel_region: the TensorParallel is null");
+  return tp->size() == 1 ? x : CopyToRegion::apply(x, key_of(tp));
+}
+
+at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp) {
+  TORCH_CHECK(tp, "fsdp::reduce_from_tensor_parallel_region: the TensorParallel is null");
+  return tp->size() == 1 ? x : ReduceFromRegion::apply(x, key_of(tp));
+}
+
+at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp, int64_t dim) {
+  TORCH_CHECK(tp, "fsdp::gather_from_tensor_parallel_region: the TensorParallel is null");
+  return tp->size() == 1 ? x : GatherFromRegion::apply(x, wrap_dim(dim, x), key_of(tp));
+}
+
+at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp, int64_t dim) {
+  TORCH_CHECK(tp, "fsdp::scatter_to_tensor_parallel_region: the TensorParallel is null");
+  return tp->size() == 1 ? x : ScatterToRegion::apply(x, wrap_dim(dim, x), key_of(tp));
+}
 
 at::Tensor column_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const auto p = active(weight);
@@ -174,28 +301,99 @@ at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x) {
   return p ? row_split(*p, x, linear->weight, linear->bias) : linear->forward(x);
 }
 
+// This rank's rows of a table split by rows: [begin, begin + rows). From the placement, never from
+// the weight itself: fsdp gathers a unit at the first operator that reads it, so before the lookup
+// the weight may still be this rank's 1-D shard (of another length).
+std::pair<int64_t, int64_t> rows_of(const TensorParallelPlacement& p) {
+  const int64_t rows = p.full_shape[0] / p.tp->size();
+  return {p.tp->rank() * rows, rows};
+}
+
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight) {
   const auto p = active(weight);
   if (!p) return at::embedding(weight, ids);
   expect_dim(*p, 0, "vocab_parallel_embedding");
-  const int64_t rows = weight.size(0), begin = p->tp->rank() * rows;
+  const auto [begin, rows] = rows_of(*p);
   const at::Tensor outside = (ids < begin).logical_or(ids >= begin + rows);
   const at::Tensor local = (ids - begin).masked_fill(outside, 0);
+  TensorParallelLayerScope layer;
   const at::Tensor out = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
   return ReduceFromRegion::apply(out, key_of(p->tp));
 }
 
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weight) {
+at::Tensor vocab_parallel_embedding(torch::nn::Embedding& embedding, const at::Tensor& ids) {
+  const at::Tensor& weight = embedding->weight;
   const auto p = active(weight);
-  if (!p) return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  if (!p) return embedding->forward(ids);
+  expect_dim(*p, 0, "vocab_parallel_embedding");
+  const auto& o = embedding->options;
+  const auto [begin, rows] = rows_of(*p);
+  const at::Tensor here = (ids >= begin).logical_and(ids < begin + rows);
+  const at::Tensor local = (ids - begin).masked_fill(here.logical_not(), 0);
+  // The padding row, if this rank holds it (at::embedding: -1 for none).
+  int64_t padding = -1;
+  if (o.padding_idx() && *o.padding_idx() >= begin && *o.padding_idx() < begin + rows) padding = *o.padding_idx() - begin;
+  TensorParallelLayerScope layer;
+  if (o.max_norm()) {
+    // The rows this rank holds that the batch looks up, renormalized in the weight (an in-place
+    // write in forward, which fsdp merges across the data-parallel ranks), as the module does.
+    at::NoGradGuard no_grad;
+    at::Tensor table = weight;
+    at::embedding_renorm_(table, local.masked_select(here), *o.max_norm(), o.norm_type());
+  }
+  at::Tensor out;
+  if (!o.scale_grad_by_freq()) {
+    out = at::embedding(weight, local, padding, false, o.sparse()).masked_fill(here.logical_not().unsqueeze(-1), 0.0);
+  } else {
+    // Frequencies over this rank's ids only (every id is on one rank, so its count is the whole
+    // batch's): the ids of other ranks' rows must not count as row 0.
+    const at::Tensor flat = local.reshape({-1});
+    const at::Tensor mine = here.reshape({-1}).nonzero().squeeze(1);
+    const at::Tensor looked = at::embedding(weight, flat.index_select(0, mine), padding, true, o.sparse());
+    std::vector<int64_t> shape = ids.sizes().vec();
+    shape.push_back(weight.size(1));
+    out = at::zeros({flat.numel(), weight.size(1)}, looked.options()).index_copy(0, mine, looked).view(shape);
+  }
+  return ReduceFromRegion::apply(out, key_of(p->tp));
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weight,
+                                        const VocabParallelCrossEntropyOptions& options) {
+  CeReduction reduction;
+  if (options.reduction == "mean") {
+    reduction = CeReduction::MEAN;
+  } else if (options.reduction == "sum") {
+    reduction = CeReduction::SUM;
+  } else if (options.reduction == "none") {
+    reduction = CeReduction::NONE;
+  } else {
+    throw std::invalid_argument("fsdp::vocab_parallel_cross_entropy: reduction '" + options.reduction +
+                                "' is not one of mean, sum, none");
+  }
+  if (!(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0)) {
+    throw std::invalid_argument("fsdp::vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got " +
+                                std::to_string(options.label_smoothing));
+  }
+  const auto p = active(weight);
+  if (!p) {
+    const at::Tensor out = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), {},
+                                                  static_cast<int64_t>(reduction == CeReduction::MEAN  ? at::Reduction::Mean
+                                                                       : reduction == CeReduction::SUM ? at::Reduction::Sum
+                                                                                                      : at::Reduction::None),
+                                                  options.ignore_index.value_or(-100), options.label_smoothing);
+    return reduction == CeReduction::NONE ? out.view(targets.sizes()) : out;
+  }
   TORCH_CHECK(p->shard.parts == 1 && p->shard.dim == 0, "fsdp: vocab_parallel_cross_entropy needs a weight split by rows");
-  // A target outside the classes would be "on no rank" and count as a logit of 0, silently: refused
-  // (cross_entropy's ignore_index, -100, is not supported here). One check, one device sync.
+  // A target outside the classes would be "on no rank" and count as a logit of 0, silently: refused,
+  // unless it is the ignored index. One check, one device sync.
   const int64_t classes = logits.size(-1) * p->tp->size();
-  TORCH_CHECK(!targets.lt(0).logical_or(targets.ge(classes)).any().item<bool>(),
-              "fsdp::vocab_parallel_cross_entropy: every target must be a class in [0, ", classes,
-              "); ignore_index is not supported");
-  return SplitCrossEntropy::apply(logits, targets, p->tp->rank() * logits.size(-1), key_of(p->tp));
+  at::Tensor stray = targets.lt(0).logical_or(targets.ge(classes));
+  if (options.ignore_index) stray = stray.logical_and(targets.ne(*options.ignore_index));
+  TORCH_CHECK(!stray.any().item<bool>(), "fsdp::vocab_parallel_cross_entropy: every target must be a class in [0, ",
+              classes, ")", options.ignore_index ? " or the ignore_index " + std::to_string(*options.ignore_index) : "",
+              "; set VocabParallelCrossEntropyOptions::ignore_index for targets that count nothing");
+  return SplitCrossEntropy::apply(logits, targets, p->tp->rank() * logits.size(-1), key_of(p->tp), options.ignore_index,
+                                  options.label_smoothing, static_cast<int64_t>(reduction));
 }
 
 }  // namespace fsdp

@@ -28,6 +28,15 @@ std::unordered_map<const c10::TensorImpl*, Entry>& registry() {
   static std::unordered_map<const c10::TensorImpl*, Entry> r;
   return r;
 }
+// Replicated parameters whose gradient is summed over a TP group (partial_gradient_rule).
+struct PartialEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+  std::shared_ptr<TensorParallel> tp;
+};
+std::unordered_map<const c10::TensorImpl*, PartialEntry>& partial_registry() {
+  static std::unordered_map<const c10::TensorImpl*, PartialEntry> r;
+  return r;
+}
 
 // '*' any run without '.', "**" any run at all.
 bool glob(const char* p, const char* s) {
@@ -64,6 +73,8 @@ std::vector<TensorParallelRule> column_parallel_rule(const std::string& module_p
 std::vector<TensorParallelRule> row_parallel_rule(const std::string& module_pattern) {
   return {{module_pattern + ".weight", {1, 1}}};
 }
+
+TensorParallelRule partial_gradient_rule(const std::string& param_pattern) { return {param_pattern, {}, true}; }
 
 at::Tensor tensor_parallel_part(const at::Tensor& whole, const TensorParallelShard& shard, int rank, int size) {
   const int64_t dim = shard.dim < 0 ? shard.dim + whole.dim() : shard.dim;
@@ -107,6 +118,9 @@ void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>
     for (auto it = registry().begin(); it != registry().end();) {
       it = it->second.impl.expired() ? registry().erase(it) : std::next(it);
     }
+    for (auto it = partial_registry().begin(); it != partial_registry().end();) {
+      it = it->second.impl.expired() ? partial_registry().erase(it) : std::next(it);
+    }
   }
   std::vector<int> matched(plan.size(), 0);
   std::unordered_set<const c10::TensorImpl*> done;  // a tied weight is listed under each name
@@ -124,8 +138,14 @@ void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>
     if (rule < 0) continue;
     ++matched[rule];
     if (!done.insert(p.unsafeGetTensorImpl()).second) continue;
-    if (tensor_parallel_placement(p)) {
+    if (tensor_parallel_placement(p) || tensor_parallel_partial_gradient(p)) {
       throw std::invalid_argument("fsdp::parallelize: parameter '" + name + "' is split already; apply a plan once");
+    }
+    if (plan[rule].partial_gradient) {
+      std::lock_guard<std::mutex> lock(registry_mutex);
+      partial_registry().insert_or_assign(p.unsafeGetTensorImpl(),
+                                          PartialEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), tp});
+      continue;
     }
     const TensorParallelShard& shard = plan[rule].shard;
     const int64_t dim = shard.dim < 0 ? shard.dim + p.dim() : shard.dim;
@@ -167,6 +187,19 @@ std::optional<TensorParallelPlacement> tensor_parallel_placement(const at::Tenso
     return std::nullopt;
   }
   return it->second.placement;
+}
+
+std::shared_ptr<TensorParallel> tensor_parallel_partial_gradient(const at::Tensor& param) {
+  if (!param.defined()) return nullptr;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto& r = partial_registry();
+  auto it = r.find(param.unsafeGetTensorImpl());
+  if (it == r.end()) return nullptr;
+  if (it->second.impl.lock().get() != param.unsafeGetTensorImpl()) {
+    r.erase(it);
+    return nullptr;
+  }
+  return it->second.tp;
 }
 
 }  // namespace fsdp

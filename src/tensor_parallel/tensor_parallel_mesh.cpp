@@ -5,15 +5,23 @@
 
 #include "comm/mesh_state.h"
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 
 namespace fsdp {
+namespace {
+// TensorParallels made in this process: a second one (a second model, a test) names its groups
+// apart from the first's, whose store keys would otherwise be reused. Every rank makes them in the
+// same order (create is collective), so the names agree.
+std::atomic<int> g_created{0};
+}  // namespace
 
 struct TensorParallel::State {
   std::shared_ptr<Mesh> world, dp;
   int size = 1, rank = 0;
+  std::string prefix;  // of its groups' names: "" for the first TensorParallel of the process
   mutable std::mutex mutex;
   mutable std::map<int, c10::intrusive_ptr<c10d::Backend>> groups;  // device type -> TP group
 };
@@ -40,6 +48,8 @@ std::shared_ptr<TensorParallel> TensorParallel::create(const std::shared_ptr<Mes
   s.world = world;
   s.size = size;
   s.rank = env.rank % size;
+  const int made = g_created.fetch_add(1);
+  if (made > 0) s.prefix = "tp" + std::to_string(made) + ":";
   const int dp_rank = env.rank / size, dp_size = W / size;
   // Per host: `local / size` DP ranks (one when TP spans the host); a one-host job keeps its
   // ranks on that host (hybrid strategies then see one node of dp_size ranks).
@@ -51,8 +61,8 @@ std::shared_ptr<TensorParallel> TensorParallel::create(const std::shared_ptr<Mes
     // Every rank builds both of its groups in the same order: the TP group of its DP place, then
     // the DP sub-mesh of its TP place.
     s.groups[static_cast<int>(c10::DeviceType::CPU)] =
-        state.make_group("tp/" + std::to_string(dp_rank), s.rank, size, c10::DeviceType::CPU);
-    s.dp = state.sub_mesh("dp/" + std::to_string(s.rank), dp_rank, dp_size, std::max(1, dp_local));
+        state.make_group(s.prefix + "tp/" + std::to_string(dp_rank), s.rank, size, c10::DeviceType::CPU);
+    s.dp = state.sub_mesh(s.prefix + "dp/" + std::to_string(s.rank), dp_rank, dp_size, std::max(1, dp_local));
   }
   return tp;
 }
@@ -70,7 +80,7 @@ const c10::intrusive_ptr<c10d::Backend>& TensorParallel::group(c10::DeviceType d
     // order, so they all get here together.
     const int dp_rank = state_->world->rank() / state_->size;
     g = detail::MeshState::of(*state_->world)
-            .make_group("tp/" + std::to_string(dp_rank) + "/" + c10::DeviceTypeName(device), state_->rank, state_->size,
+            .make_group(state_->prefix + "tp/" + std::to_string(dp_rank) + "/" + c10::DeviceTypeName(device), state_->rank, state_->size,
                         device);
   }
   return g;

@@ -21,6 +21,9 @@ std::optional<c10::ScalarType> FullyShardedDataParallelBase::input_dtype() const
   return root_->options().mixed_precision->param_dtype;
 }
 
+bool FullyShardedDataParallelBase::inputs_unchecked() const { return root_->inputs_unchecked(); }
+void FullyShardedDataParallelBase::check_inputs(const std::vector<at::Tensor>& inputs) { root_->check_inputs(inputs); }
+
 FullyShardedDataParallelBase::NoSync::NoSync(detail::ShardedRoot* root) : root_(root) {
   root_->runtime().set_no_sync(true);
 }

@@ -19,6 +19,7 @@
 #include "engine/model_fingerprint.h"
 #include "engine/param_key.h"
 #include "engine/unit_decomposition.h"
+#include "tensor_parallel/replica_agreement.h"
 
 namespace fsdp::detail {
 
@@ -84,7 +85,12 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   }
   comm_ = std::make_unique<CommContext>(device_, make_mesh_info(*mesh_, options_, device_.type()));
   comm_->set_param_quantization(options_.quantize_all_gather, options_.quantization_block);
-  if (options_.sync_module_states) broadcast_module_states();
+  if (options_.sync_module_states) {
+    broadcast_module_states();  // checks the TP ranks' replicas between its two broadcasts
+  } else {
+    check_tensor_parallel_replicas();
+  }
+  inputs_unchecked_ = options_.tensor_parallel && options_.tensor_parallel->size() > 1;
   if (const auto& mp = options_.mixed_precision) {
     // Buffers are not sharded: cast them once, here, instead of at every forward. Not those of
     // ignored modules: they are the caller's, computed with its own (uncast) parameters, and a
@@ -137,12 +143,65 @@ void ShardedRoot::check_tensor_parallel() {
                                   "Options::tensor_parallel");
     }
   }
+  for (const auto& np : module_->named_parameters(true)) {
+    const auto partial = tensor_parallel_partial_gradient(np.value());
+    if (!partial || partial->size() == 1) continue;
+    if (partial != tp) {
+      throw std::invalid_argument("fsdp: parameter '" + np.key() + "' is named by a partial_gradient_rule of a "
+                                  "TensorParallel that is not Options::tensor_parallel: set Options::tensor_parallel "
+                                  "to the TensorParallel the plan used");
+    }
+  }
   if (tp && tp->size() > 1 && mesh_ != tp->data_parallel()) {
     throw std::invalid_argument("fsdp: with Options::tensor_parallel of " + std::to_string(tp->size()) +
                                 " ranks, wrap the model over tensor_parallel->data_parallel() (the " +
                                 std::to_string(tp->data_parallel()->world_size()) + " data-parallel ranks), not " +
                                 "a mesh of " + std::to_string(mesh_->world_size()));
   }
+}
+
+void ShardedRoot::check_tensor_parallel_replicas() {
+  // Each TP rank keeps its part of the model it built: parts of models built from different seeds
+  // (or with weights loaded on some ranks only) are no model at all, and sync_module_states cannot
+  // mend that (it broadcasts whole tensors within the data-parallel mesh and the replicated ones
+  // over the TP group, never a split one's parts). Ranks that built different models differ in
+  // their replicated parameters too: compared here, after the data-parallel broadcast if any.
+  const auto& tp = options_.tensor_parallel;
+  if (!tp || tp->size() == 1) return;
+  std::vector<at::Tensor> replicated;
+  std::vector<std::string> names;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& np : module_->named_parameters(true)) {
+    const at::Tensor& p = np.value();
+    if (ignored_.count(p.unsafeGetTensorImpl()) || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    const auto placement = tensor_parallel_placement(p);
+    if (placement && placement->tp->size() > 1) continue;
+    replicated.push_back(p);
+    names.push_back(np.key());
+  }
+  const auto differ = differ_across_tensor_parallel(*tp, replicated);
+  if (differ.empty()) return;
+  throw std::invalid_argument(
+      "fsdp: the " + std::to_string(tp->size()) + " tensor-parallel ranks of this job built different models: "
+      "replicated parameter '" + names[differ[0]] + "'" + (differ.size() > 1 ? " (and " + std::to_string(differ.size() - 1) +
+      " more)" : "") + " differs across the TP group. Each TP rank keeps its part of the model it built, so every rank "
+      "must build the model whole from the same seed (torch::manual_seed before constructing it) and load the same "
+      "weights, before fsdp::parallelize; sync_module_states cannot join parts of different models into one.");
+}
+
+void ShardedRoot::check_inputs(const std::vector<at::Tensor>& inputs) {
+  const auto& tp = options_.tensor_parallel;
+  if (!inputs_unchecked_ || !tp) return;
+  const auto differ = differ_across_tensor_parallel(*tp, inputs);
+  if (!differ.empty()) {
+    throw Refusal("fsdp: the " + std::to_string(tp->size()) + " tensor-parallel ranks of data-parallel rank " +
+                  std::to_string(mesh_->rank()) + " gave forward different inputs (argument " +
+                  std::to_string(differ[0] + 1) + "): the TP ranks of a data-parallel group compute one model on the "
+                  "same rows. Slice the global batch by the data-parallel rank and size "
+                  "(tp->data_parallel()->rank() of tp->data_parallel()->world_size()), not by the world rank, and "
+                  "give every TP rank the same data order.");
+  }
+  inputs_unchecked_ = false;
 }
 
 void ShardedRoot::check_not_wrapped_already() const {
@@ -243,6 +302,7 @@ void ShardedRoot::broadcast_module_states() {
   // seeds would otherwise train different replicas of them, silently.
   const auto& tp = options_.tensor_parallel;
   if (!tp || tp->size() == 1) return;
+  check_tensor_parallel_replicas();
   const auto& tp_group = tp->group(tensors[0].device().type());
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (split[i]) continue;

@@ -43,6 +43,9 @@ class ShardedRoot {
   void throw_pending_refusal();
   // Throws when the model holds a parameter it did not hold when wrapped (forward calls it).
   void check_no_new_parameters() const;
+  // Tensor parallelism: the first forward's inputs compared across the TP group (fsdp.h).
+  bool inputs_unchecked() const { return inputs_unchecked_; }
+  void check_inputs(const std::vector<at::Tensor>& inputs);
   std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;
   std::vector<UnitInfo> units() const;
   // The indices of the units named by module path ("" the root unit); every unit for none. Throws
@@ -66,6 +69,8 @@ class ShardedRoot {
 
  private:
   void check_tensor_parallel();
+  // Every TP rank built the same model: its replicated parameters agree across the TP group.
+  void check_tensor_parallel_replicas();
   // Throws when a parameter belongs to another wrapper already (the model wrapped twice).
   void check_not_wrapped_already() const;
   void materialize_buffers();
@@ -85,6 +90,7 @@ class ShardedRoot {
   std::vector<std::unique_ptr<Unit>> units_;
   std::shared_ptr<Runtime> runtime_;
   bool summoned_ = false;
+  bool inputs_unchecked_ = false;  // set at wrapping with a TP group of more than one rank
   std::unordered_set<const c10::TensorImpl*> wrapped_params_;  // every parameter at wrapping
   bool summon_writes_ = false;        // the summon scope writes back
   std::string pending_refusal_;       // end_summon's, thrown by the next call

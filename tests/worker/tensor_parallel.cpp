@@ -1,78 +1,132 @@
-// fsdp-test-worker tensor_parallel --tp N [--strategy S] --out PREFIX
+// fsdp-test-worker tensor_parallel --tp N [--strategy S] [--variants V,...] --out PREFIX
 //   Tensor parallelism as a user writes it for a model of their own (not the project's GPT or T5):
 //   a small classifier with an embedding, two residual MLP blocks (up: column-parallel, down:
-//   row-parallel with a bias) and a head over 64 classes, split by a plan of three rules, trained
+//   row-parallel with a bias) and a head over 64 classes, split by a plan of its own, trained
 //   with the head's vocabulary-parallel cross entropy and clipping under fsdp over the
 //   data-parallel ranks, against the same model trained locally on the whole batch in the same
 //   process. SGD with momentum for 5 steps. Writes the largest loss difference, the largest
-//   difference of any whole parameter (full_state_dict) and of the clipping norm.
+//   difference of any whole parameter (full_state_dict) and of the clipping norm; or, for a
+//   variant that must be refused, what the first rank to refuse said ("refused").
+//   Variants (comma-separated; "plain" is none):
+//     embed_unit     the embedding split by rows (vocabulary-parallel), in a unit of its own whose
+//                    first operator is the lookup, and ids past V / TP
+//     embed_options  the embedding with padding_idx, max_norm and scale_grad_by_freq, looked up
+//                    through fsdp::vocab_parallel_embedding(Embedding&, ids)
+//     qk_norm        a replicated per-head-feature norm weight applied to the split hidden
+//                    features of each block, declared by a partial_gradient_rule
+//   Refused (what a user gets wrong; each must be refused by name, not train silently wrong):
+//     qk_norm_no_rule  the same norm weight without the rule: its gradient differs across TP
+//     head_outside     the column-split head called as at::linear(h, head->weight)
+//     scaler_dp        a ShardedGradScaler made on tp->data_parallel() instead of tp->world()
+//     seed_per_rank    each rank builds its model from its own seed (sync_module_states on)
+//     batch_by_world   each rank takes the batch slice of its world rank, not its DP rank
 #include "fsdp/tensor_parallel.h"
 #include "fsdp/checkpoint.h"
+#include "fsdp/grad_scaler.h"
 #include "worker.h"
 
 namespace worker {
 namespace {
 
-constexpr int64_t kWidth = 32, kClasses = 64, kTokens = 8;
+constexpr int64_t kWidth = 32, kClasses = 64, kTokens = 8, kVocab = 100, kHeadDim = 16;
+
+struct Variants {
+  explicit Variants(const std::string& list) : list("," + list + ",") {}
+  bool has(const std::string& v) const { return list.find("," + v + ",") != std::string::npos; }
+  std::string list;
+};
 
 struct MyBlockImpl : torch::nn::Module {
-  MyBlockImpl() {
+  explicit MyBlockImpl(bool qk_norm) {
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
     up = register_module("up", torch::nn::Linear(kWidth, 4 * kWidth));
     down = register_module("down", torch::nn::Linear(4 * kWidth, kWidth));
+    // One weight per feature of a head, shared by every head: under TP each rank applies it to
+    // its own heads only (a QK-norm's weight), so its gradient is a part of the whole one.
+    if (qk_norm) qk_w = register_parameter("qk_w", torch::rand({kHeadDim}) + 0.5);
   }
   // What changes for TP: the two calls go through fsdp's layers (plain calls without a plan).
   torch::Tensor forward(const torch::Tensor& x) {
-    return x + fsdp::row_parallel(down, torch::relu(fsdp::column_parallel(up, norm(x))));
+    torch::Tensor h = fsdp::column_parallel(up, norm(x));
+    if (qk_w.defined()) {
+      auto sizes = h.sizes().vec();
+      torch::Tensor heads = h.reshape({-1, kHeadDim});
+      heads = heads * torch::rsqrt(heads.pow(2).mean(-1, true) + 1e-5) * qk_w;
+      h = heads.reshape(sizes);
+    }
+    return x + fsdp::row_parallel(down, torch::relu(h));
   }
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Linear up{nullptr}, down{nullptr};
+  torch::Tensor qk_w;
 };
 TORCH_MODULE(MyBlock);
 
 struct MyNetImpl : torch::nn::Module {
-  MyNetImpl() {
-    embed = register_module("embed", torch::nn::Embedding(100, kWidth));
-    blocks = register_module("blocks", torch::nn::ModuleList(MyBlock(), MyBlock()));
+  explicit MyNetImpl(const Variants& v) : head_outside(v.has("head_outside")) {
+    auto eo = torch::nn::EmbeddingOptions(kVocab, kWidth);
+    if (v.has("embed_options")) eo.padding_idx(3).max_norm(1.0).scale_grad_by_freq(true);
+    embed = register_module("embed", torch::nn::Embedding(eo));
+    const bool qk = v.has("qk_norm") || v.has("qk_norm_no_rule");
+    blocks = register_module("blocks", torch::nn::ModuleList(MyBlock(qk), MyBlock(qk)));
     head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(kWidth, kClasses).bias(false)));
   }
   torch::Tensor forward(const torch::Tensor& ids) {
-    torch::Tensor x = embed(ids);
+    // With options (padding_idx, max_norm, scale_grad_by_freq) the module's lookup; the plain one
+    // otherwise, as users of the tensor form write it.
+    torch::Tensor x = embed->options.max_norm() ? fsdp::vocab_parallel_embedding(embed, ids)
+                                                : fsdp::vocab_parallel_embedding(ids, embed->weight);
     for (const auto& b : *blocks) x = b->as<MyBlockImpl>()->forward(x);
+    // A user's slip: the split head called directly (local training computes the same).
+    if (head_outside) return at::linear(x.mean(1), head->weight);
     return fsdp::column_parallel(head, x.mean(1));  // [B, classes / TP]
   }
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& y) {
     return fsdp::vocab_parallel_cross_entropy(logits, y, head->weight);
   }
+  bool head_outside;
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(MyNet);
 
-}  // namespace
-
-json run_tensor_parallel(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
+json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variants& v) {
   auto tp = fsdp::TensorParallel::create(mesh, a.tp);
   const auto& dp = tp->data_parallel();
-  auto build = [] {
-    torch::manual_seed(0);
-    return MyNet();
+  auto build = [&](int seed) {
+    torch::manual_seed(seed);
+    return MyNet(v);
   };
-  MyNet local = build(), mine = build();
-  fsdp::parallelize(*mine, tp, {{"blocks.*.up.weight", {0, 1}}, {"blocks.*.up.bias", {0, 1}},
-                                {"blocks.*.down.weight", {1, 1}}, {"head.weight", {0, 1}}});
+  MyNet local = build(0), mine = build(v.has("seed_per_rank") ? mesh->rank() : 0);
+  std::vector<fsdp::TensorParallelRule> plan = {{"blocks.*.up.weight", {0, 1}},
+                                                {"blocks.*.up.bias", {0, 1}},
+                                                {"blocks.*.down.weight", {1, 1}},
+                                                {"head.weight", {0, 1}}};
+  if (v.has("embed_unit") || v.has("embed_options")) plan.push_back({"embed.weight", {0, 1}});
+  if (v.has("qk_norm")) plan.push_back(fsdp::partial_gradient_rule("blocks.*.qk_w"));
+  fsdp::parallelize(*mine, tp, plan);
   fsdp::Options opts = options_from(a);
-  opts.auto_wrap_policy = fsdp::module_type_policy<MyBlockImpl>();
+  opts.auto_wrap_policy = v.has("embed_unit") ? fsdp::module_type_policy<MyBlockImpl, torch::nn::EmbeddingImpl>()
+                                              : fsdp::module_type_policy<MyBlockImpl>();
   opts.tensor_parallel = tp;
+  opts.sync_module_states = v.has("seed_per_rank");
   fsdp::FullyShardedDataParallel sharded(mine, dp, opts);
   torch::optim::SGD local_opt(local->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD my_opt(sharded.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  const int64_t per = kGlobalBatch / dp->world_size(), begin = dp->rank() * per;
+  std::optional<fsdp::ShardedGradScaler> scaler;
+  if (v.has("scaler_dp")) scaler.emplace(dp);
+  // The batch slice of this rank's place among the data-parallel ranks: TP ranks of one DP group
+  // see the same rows. batch_by_world slices by the world rank instead.
+  const bool by_world = v.has("batch_by_world");
+  const int64_t per = kGlobalBatch / (by_world ? mesh->world_size() : dp->world_size());
+  const int64_t begin = (by_world ? mesh->rank() : dp->rank()) * per;
+  // Ids past V / TP (every rank's rows are looked up) and the padding id among them.
+  const int64_t id_low = v.has("embed_unit") ? kVocab / 2 : 0;
   double loss_diff = 0, norm_diff = 0;
   for (int step = 0; step < kSteps; ++step) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
-    const torch::Tensor ids = torch::randint(100, {kGlobalBatch, kTokens}, gen);
+    const torch::Tensor ids = torch::randint(id_low, kVocab, {kGlobalBatch, kTokens}, gen);
     const torch::Tensor y = torch::randint(kClasses, {kGlobalBatch}, gen);
     local_opt.zero_grad();
     const torch::Tensor l = local->loss(local->forward(ids), y);
@@ -81,13 +135,19 @@ json run_tensor_parallel(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a)
     local_opt.step();
     my_opt.zero_grad();
     const torch::Tensor m = mine->loss(sharded.forward(ids.narrow(0, begin, per)), y.narrow(0, begin, per));
-    m.backward();
+    (scaler ? scaler->scale(m) : m).backward();
+    if (scaler) scaler->unscale_(my_opt);
     const double my_norm = sharded.clip_grad_norm_(0.05);
-    my_opt.step();
+    if (scaler) {
+      scaler->step(my_opt);
+      scaler->update();
+    } else {
+      my_opt.step();
+    }
     // Each data-parallel rank's loss is its slice's mean: the global batch's is their mean.
     torch::Tensor mean = m.detach().reshape({1}).clone();
-    std::vector<torch::Tensor> v{mean};
-    dp->world()->allreduce(v)->wait();
+    std::vector<torch::Tensor> t{mean};
+    dp->world()->allreduce(t)->wait();
     loss_diff = std::max(loss_diff, std::abs(mean.item<double>() / dp->world_size() - l.item<double>()));
     norm_diff = std::max(norm_diff, std::abs(my_norm - local_norm) / local_norm);
   }
@@ -106,6 +166,19 @@ json run_tensor_parallel(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a)
   }
   return {{"rank", mesh->rank()}, {"loss_diff", loss_diff}, {"norm_rel_diff", norm_diff}, {"param_diff", param_diff},
           {"compared", compared}};
+}
+
+}  // namespace
+
+json run_tensor_parallel(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
+  const Variants v(a.variants);
+  try {
+    return train(mesh, a, v);
+  } catch (const std::exception& e) {
+    // What a refused variant said, for the test to read (the first line: the reason and the fix).
+    const std::string what = e.what();
+    return {{"rank", mesh->rank()}, {"refused", what.substr(0, what.find("\nException raised from"))}};
+  }
 }
 
 }  // namespace worker
