@@ -106,7 +106,7 @@ TEST(Wire, HpzOverTheBudgetIsRefusedWithTheWayOut) {
 }
 
 // The quantizer on its own: blocks inside parameters, every element within its bound, zero blocks
-// exact, deterministic.
+// exact, deterministic; inf and NaN kept, the finite values beside them bounded.
 TEST(Wire, QuantizerStaysWithinItsBound) {
   for (const std::string q : {"int8", "fp8"}) {
     const auto ranks = fsdp_test::expect_ranks("wire", 1, "--variants quantize --quantize " + q);
@@ -118,6 +118,11 @@ TEST(Wire, QuantizerStaysWithinItsBound) {
     EXPECT_TRUE(r["zero_blocks_exact"].get<bool>()) << r.dump();
     EXPECT_TRUE(r["deterministic"].get<bool>()) << r.dump();
     EXPECT_TRUE(r["blocks_inside_runs"].get<bool>()) << r.dump();
+    // Issue 36: a block holding +-inf came back all NaN, and FP8 turned the zeros of a block below
+    // ~1.5e-36 into NaN.
+    EXPECT_TRUE(r["nonfinite_kept"].get<bool>()) << q << ": " << r.dump();
+    EXPECT_TRUE(r["tiny_blocks_finite"].get<bool>()) << q << ": " << r.dump();
+    EXPECT_LE(r["nonfinite_blocks_worst_error_over_bound"].get<double>(), 1.0) << q << ": " << r.dump();
   }
 }
 

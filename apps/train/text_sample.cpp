@@ -9,12 +9,15 @@
 namespace train {
 
 std::optional<TextSample> sample_text(const Config& c, const Workload& workload, torch::nn::Module& model,
-                                      Trainee& trainee, fsdp::Mesh& mesh, const torch::Device& device) {
+                                      Trainee& trainee, fsdp::Mesh& mesh, const torch::Device& device,
+                                      const std::shared_ptr<fsdp::TensorParallel>& tp) {
   const int64_t context = workload.text_context();
   if (c.sample_tokens == 0 || context == 0) return std::nullopt;
   if (c.prompt.empty()) throw std::invalid_argument("--prompt is empty: give the text the sample starts from");
   model.eval();  // generation runs without dropout
-  const bool root = mesh.rank() == 0;
+  // Under TP the job is every rank (the data-parallel mesh is this TP rank's part of it).
+  fsdp::Mesh& job = tp ? *tp->world() : mesh;
+  const bool root = job.rank() == 0;
   models::SamplingOptions options;
   options.tokens = c.sample_tokens;
   options.context = context;
@@ -34,7 +37,7 @@ std::optional<TextSample> sample_text(const Config& c, const Workload& workload,
     // Local training or the DDP-style baseline: rank 0 holds the whole model already.
     sample.via = "the model's forward (no fsdp)";
     if (root) ids = models::sample_tokens(plain_forward, models::encode_bytes(c.prompt), options);
-  } else if (c.sample_via == "summon") {
+  } else if (c.sample_via == "summon" && !tp) {
     sample.via = "summon_full_params (rank 0)";
     fsdp::SummonOptions whole;
     whole.writeback = false;  // reading only
@@ -53,16 +56,19 @@ std::optional<TextSample> sample_text(const Config& c, const Workload& workload,
       torch::set_num_threads(threads);
     }
   } else {
-    sample.via = "the sharded forward";
-    const int W = mesh.world_size();
+    // Under TP every rank runs the forward (each TP rank its part of every layer): the split
+    // logits, [V / TP] per rank, are gathered whole as a user's inference gathers them.
+    sample.via = tp ? "the sharded forward, logits gathered over TP" : "the sharded forward";
+    const int W = job.world_size();
     auto sharded_forward = [&](const torch::Tensor& ids) {
       torch::Tensor logits = last(trainee.forward(
-          [&] { return workload.forward(model, Batch{{ids.to(device)}, {}}, trainee.input_dtype()); }))
-          .contiguous();
+          [&] { return workload.forward(model, Batch{{ids.to(device)}, {}}, trainee.input_dtype()); }));
+      if (tp) logits = fsdp::gather_from_tensor_parallel_region(logits, tp, -1);
+      logits = logits.contiguous();
       if (W > 1) {
         // Every rank samples from rank 0's logits, so every rank feeds the same tokens back.
         std::vector<at::Tensor> tensors{logits};
-        mesh.world()->broadcast(tensors)->wait();
+        job.world()->broadcast(tensors)->wait();
       }
       return logits;
     };

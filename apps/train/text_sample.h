@@ -6,6 +6,7 @@
 //    keep their shards and wait at the end of the scope;
 //  - sharded: the wrapped model's forward for each token on every rank, which gathers and frees
 //    each unit per token; rank 0's logits are broadcast so that every rank samples the same token.
+//    Under --tp always this one, the split logits gathered over the TP ranks first.
 // Both give the same text (ctest -R MainJobEndsWithSomethingToKeep); the first gathers the model
 // once instead of once per token (docs/performance.md, "The end of the main job").
 #pragma once
@@ -18,6 +19,7 @@
 
 #include "config.h"
 #include "fsdp/mesh.h"
+#include "fsdp/tensor_parallel.h"
 #include "trainee.h"
 #include "workload.h"
 
@@ -31,9 +33,10 @@ struct TextSample {
   std::string via;        // "summon_full_params" or "sharded forward" (or "the local model")
 };
 
-// A collective under fsdp: every rank calls it. Rank 0 returns the sample; the other ranks, and
+// A collective under fsdp (`tp`: the job's tensor parallelism, or null): every rank calls it. Rank 0 returns the sample; the other ranks, and
 // every rank of a workload that writes no text or of --sample-tokens 0, return nothing.
 std::optional<TextSample> sample_text(const Config& c, const Workload& workload, torch::nn::Module& model,
-                                      Trainee& trainee, fsdp::Mesh& mesh, const torch::Device& device);
+                                      Trainee& trainee, fsdp::Mesh& mesh, const torch::Device& device,
+                                      const std::shared_ptr<fsdp::TensorParallel>& tp);
 
 }  // namespace train

@@ -413,7 +413,8 @@ int train(const Config& c) {
     }
     return figures;
   };
-  RunSummary summary(workload->name() + ", " + trainee->describe() + ", W=" + std::to_string(live ? data_W : W),
+  RunSummary summary(workload->name() + ", " + trainee->describe() + ", W=" + std::to_string(live ? data_W : world->world_size()) +
+                         (tp ? " (TP " + std::to_string(tp->size()) + " x DP " + std::to_string(W) + ")" : std::string()),
                      workload->throughput_unit());
   std::map<std::string, double> last_eval;  // the newest held-out figures, and after which step
   int last_eval_step = -1;
@@ -607,7 +608,9 @@ int train(const Config& c) {
     if (run && trained) {
       std::ofstream(run->summary_file()) << summary.to_json().dump(2) << "\n";
       // Single-host runs get the local launcher's flag; a job over hosts is started by its launcher.
-      const int nproc = env.local_world_size == W ? W : 0;
+      // Under --tp the job is every rank, W of them data-parallel.
+      const int job_W = world->world_size();
+      const int nproc = env.local_world_size == job_W ? job_W : 0;
       std::cout << "== saved in " << run->path() << "/\n";
       if (!last_checkpoint.empty()) {
         std::cout << "   checkpoint " << last_checkpoint << " (" << checkpoint_kind << ", "
@@ -620,7 +623,7 @@ int train(const Config& c) {
         std::cout << "   resume:    " << resume_command(c, save_dir, 2 * c.steps, nproc) << "\n";
       }
       std::cout << "   in Python: " << python_load_command(export_full) << "\n";
-      if (nproc == 0) std::cout << "   (start the resumed job with your launcher, " << W << " ranks)\n";
+      if (nproc == 0) std::cout << "   (start the resumed job with your launcher, " << job_W << " ranks)\n";
     } else if (run) {
       std::error_code ec;
       std::filesystem::remove(run->path(), ec);  // nothing trained: an empty folder is not kept
@@ -631,7 +634,7 @@ int train(const Config& c) {
   }
   // A model resumed at its last step writes a sample too: the trained model, without training more.
   if (trained || start_step > 0) {
-    if (const std::optional<TextSample> sample = tp || live ? std::nullopt : sample_text(c, *workload, *model, *trainee, *mesh, device)) {
+    if (const std::optional<TextSample> sample = live ? std::nullopt : sample_text(c, *workload, *model, *trainee, *mesh, device, tp)) {
       std::cout << "== sample: " << sample->tokens << " tokens after \"" << sample->prompt << "\" (temperature "
                 << c.temperature << ", seed " << c.seed << "; through " << sample->via << ", "
                 << static_cast<int64_t>(sample->seconds * 1000) << " ms)\n"

@@ -198,7 +198,11 @@ at::Tensor row_split(const TensorParallelPlacement& p, const at::Tensor& x, cons
 // Each rank's part of `dim` side by side in forward; this rank's part of the gradient backward.
 at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what) {
   at::Tensor moved = x.movedim(dim, 0).contiguous();
-  at::Tensor all = at::empty({tp.size() * moved.numel()}, moved.options());
+  // Shaped as the parts stacked along dimension 0 (Gloo's all-gather compares each part's shape
+  // with the input's, so a flat buffer is refused for inputs of more than one dimension).
+  std::vector<int64_t> shape = moved.sizes().vec();
+  shape[0] *= tp.size();
+  at::Tensor all = at::empty(shape, moved.options());
   try {
     auto work = tp.group(moved.device().type())->_allgather_base(all, moved);
     if (!work->wait()) throw std::runtime_error("the work did not complete");
@@ -207,9 +211,7 @@ at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const TensorParall
                              std::to_string(tp.rank()) + " of " + std::to_string(tp.size()) + ": " +
                              std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
   }
-  std::vector<int64_t> shape = moved.sizes().vec();
-  shape[0] *= tp.size();
-  return all.view(shape).movedim(0, dim);
+  return all.movedim(0, dim);
 }
 
 int64_t wrap_dim(int64_t dim, const at::Tensor& x) {

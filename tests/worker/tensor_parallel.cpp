@@ -11,9 +11,13 @@
 //     embed_unit     the embedding split by rows (vocabulary-parallel), in a unit of its own whose
 //                    first operator is the lookup, and ids past V / TP
 //     embed_options  the embedding with padding_idx, max_norm and scale_grad_by_freq, looked up
-//                    through fsdp::vocab_parallel_embedding(Embedding&, ids)
+//                    through fsdp::vocab_parallel_embedding(Embedding&, ids) (the local oracle
+//                    accumulates the batch by data-parallel slices: the frequencies are per slice)
 //     qk_norm        a replicated per-head-feature norm weight applied to the split hidden
 //                    features of each block, declared by a partial_gradient_rule
+//     api            no training: the cross entropy's options and the region primitives against
+//                    whole-tensor arithmetic, twice, the second time through a second
+//                    TensorParallel of the same process (check_api)
 //   Refused (what a user gets wrong; each must be refused by name, not train silently wrong):
 //     qk_norm_no_rule  the same norm weight without the rule: its gradient differs across TP
 //     head_outside     the column-split head called as at::linear(h, head->weight)
@@ -91,6 +95,64 @@ struct MyNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(MyNet);
 
+// The public pieces a user's own layers are made of, against whole-tensor arithmetic on every
+// rank: the vocabulary-parallel cross entropy with ignore_index, label smoothing and each
+// reduction (value and the logits' gradient), the four region primitives forward and backward,
+// and all of it again through a second TensorParallel made in the same process.
+json check_api(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
+  double ce_diff = 0, region_diff = 0;
+  int checks = 0;
+  auto note = [&](double& worst, const at::Tensor& got, const at::Tensor& want) {
+    worst = std::max(worst, got.sizes() == want.sizes() ? (got - want).abs().max().item<double>() : 1e9);
+    ++checks;
+  };
+  for (int which = 0; which < 2; ++which) {
+    auto tp = fsdp::TensorParallel::create(mesh, a.tp);
+    torch::manual_seed(5);
+    MyNet net(Variants(""));
+    fsdp::parallelize(*net, tp, {{"head.weight", {0, 1}}});
+    const int64_t parts = kClasses / tp->size(), begin = tp->rank() * parts;
+    const at::Tensor whole = torch::randn({6, kClasses}) * 3;
+    at::Tensor targets = torch::randint(kClasses, {6});
+    targets[1] = -100;
+    targets[4] = -100;
+    const at::Tensor upstream = torch::rand({6}) + 0.5;
+    for (const std::string reduction : {"mean", "sum", "none"}) {
+      for (double smoothing : {0.0, 0.1}) {
+        fsdp::VocabParallelCrossEntropyOptions o;
+        o.reduction = reduction;
+        o.label_smoothing = smoothing;
+        o.ignore_index = -100;
+        const at::Tensor w_logits = whole.clone().requires_grad_(true);
+        const auto red = reduction == "mean" ? at::Reduction::Mean : reduction == "sum" ? at::Reduction::Sum : at::Reduction::None;
+        const at::Tensor want = at::cross_entropy_loss(w_logits, targets, {}, red, -100, smoothing);
+        (reduction == "none" ? (want * upstream).sum() : want).backward();
+        const at::Tensor p_logits = whole.narrow(1, begin, parts).clone().requires_grad_(true);
+        const at::Tensor got = fsdp::vocab_parallel_cross_entropy(p_logits, targets, net->head->weight, o);
+        (reduction == "none" ? (got * upstream).sum() : got).backward();
+        note(ce_diff, got.detach(), want.detach());
+        note(ce_diff, p_logits.grad(), w_logits.grad().narrow(1, begin, parts));
+      }
+    }
+    // The regions, on a whole tensor every rank holds.
+    const at::Tensor x = torch::randn({3, 8});
+    const at::Tensor weights = torch::randn({3, 8});
+    const at::Tensor xs = x.clone().requires_grad_(true);
+    const at::Tensor part = fsdp::scatter_to_tensor_parallel_region(xs, tp, -1);
+    note(region_diff, part.detach(), x.narrow(1, tp->rank() * (8 / tp->size()), 8 / tp->size()));
+    const at::Tensor back = fsdp::gather_from_tensor_parallel_region(part, tp, -1);
+    note(region_diff, back.detach(), x);
+    (back * weights).sum().backward();
+    note(region_diff, xs.grad(), weights);
+    const double factor = tp->size() * (tp->size() + 1) / 2.0;  // the sum of (rank + 1) over the group
+    note(region_diff, fsdp::reduce_from_tensor_parallel_region(x * (tp->rank() + 1), tp), x * factor);
+    const at::Tensor xc = x.clone().requires_grad_(true);
+    (fsdp::copy_to_tensor_parallel_region(xc, tp) * weights * (tp->rank() + 1)).sum().backward();
+    note(region_diff, xc.grad(), weights * factor);
+  }
+  return {{"rank", mesh->rank()}, {"ce_diff", ce_diff}, {"region_diff", region_diff}, {"checks", checks}};
+}
+
 json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variants& v) {
   auto tp = fsdp::TensorParallel::create(mesh, a.tp);
   const auto& dp = tp->data_parallel();
@@ -129,8 +191,22 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
     const torch::Tensor ids = torch::randint(id_low, kVocab, {kGlobalBatch, kTokens}, gen);
     const torch::Tensor y = torch::randint(kClasses, {kGlobalBatch}, gen);
     local_opt.zero_grad();
-    const torch::Tensor l = local->loss(local->forward(ids), y);
-    l.backward();
+    torch::Tensor l;
+    if (!v.has("embed_options")) {
+      l = local->loss(local->forward(ids), y);
+      l.backward();
+    } else {
+      // scale_grad_by_freq counts ids in the batch one process sees, so data parallelism (fsdp's,
+      // as DDP's) scales by each slice's counts: the local oracle is the same batch accumulated
+      // slice by slice, as many slices as data-parallel ranks.
+      const int64_t slices = dp->world_size(), rows = kGlobalBatch / slices;
+      l = torch::zeros({});
+      for (int64_t s = 0; s < slices; ++s) {
+        const torch::Tensor part = local->loss(local->forward(ids.narrow(0, s * rows, rows)), y.narrow(0, s * rows, rows)) / slices;
+        part.backward();
+        l = l + part.detach();
+      }
+    }
     const double local_norm = torch::nn::utils::clip_grad_norm_(local->parameters(), 0.05);
     local_opt.step();
     my_opt.zero_grad();
@@ -173,7 +249,7 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
 json run_tensor_parallel(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   const Variants v(a.variants);
   try {
-    return train(mesh, a, v);
+    return v.has("api") ? check_api(mesh, a) : train(mesh, a, v);
   } catch (const std::exception& e) {
     // What a refused variant said, for the test to read (the first line: the reason and the fix).
     const std::string what = e.what();

@@ -61,8 +61,50 @@ json check_quantizer(const Args& a) {
       elements += numel;
     }
   }
+  // Blocks that hold inf or NaN (a frozen -inf attention mask is a parameter a user may shard):
+  // those come back exactly, the finite values beside them within the bound of the finite ones
+  // (the range one code smaller: INT8 126, FP8 416); and a block of values below 1e-36 (its
+  // scale's reciprocal is no float) with zeros in it comes back finite, its zeros zero.
+  bool nonfinite_kept = true, tiny_finite = true;
+  double special_worst = 0.0;
+  for (int block : {4, 256}) {
+    const int64_t numel = 600;
+    at::Tensor x = at::randn({numel}, gen) * 0.5;
+    const double inf = std::numeric_limits<double>::infinity();
+    x[1] = -inf;
+    x[2] = inf;
+    x[300] = std::numeric_limits<double>::quiet_NaN();
+    x.narrow(0, 400, 100).mul_(1e-38);
+    x.narrow(0, 410, 10).zero_();
+    const std::vector<int64_t> runs{0, 400, 500};  // the tiny values a parameter of their own
+    const fsdp::BlockStarts blocks = fsdp::quantization_blocks(runs, numel, block);
+    fsdp::QuantizedRecord record;
+    record.numel = numel;
+    record.max_blocks = static_cast<int64_t>(blocks.size());
+    at::Tensor back = at::empty({numel});
+    fsdp::dequantize_records(back, fsdp::quantize_shard(x, mode, record, blocks), mode, record, {blocks});
+    const at::Tensor finite = x.isfinite();
+    nonfinite_kept = nonfinite_kept && back[1].item<double>() == -inf && back[2].item<double>() == inf &&
+                     std::isnan(back[300].item<double>()) && back.isfinite().equal(finite);
+    tiny_finite = tiny_finite && back.narrow(0, 400, 100).isfinite().all().item<bool>() &&
+                  back.narrow(0, 410, 10).abs().max().item<double>() == 0.0;
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const int64_t begin = blocks[b], end = b + 1 < blocks.size() ? blocks[b + 1] : numel;
+      if (begin >= 400 && begin < 500) continue;  // the tiny run: finite is what is asked
+      const at::Tensor xb = x.narrow(0, begin, end - begin), fb = finite.narrow(0, begin, end - begin);
+      const at::Tensor kept = xb.masked_select(fb);
+      if (kept.numel() == 0) continue;
+      const double absmax = kept.abs().max().item<double>();
+      const at::Tensor got = back.narrow(0, begin, end - begin).masked_select(fb);
+      const at::Tensor bound = int8 ? at::full_like(kept, absmax / 252.0)
+                                    : at::maximum(kept.abs() / 16.0, at::full_like(kept, absmax / 416.0 * std::ldexp(1.0, -10)));
+      special_worst = std::max(special_worst, ((got - kept).abs() / (bound * (1 + 1e-6) + 1e-30)).max().item<double>());
+    }
+  }
   return {{"cases", cases}, {"elements", elements}, {"worst_error_over_bound", worst},
-          {"zero_blocks_exact", zeros_exact}, {"deterministic", deterministic}, {"blocks_inside_runs", blocks_inside_runs}};
+          {"zero_blocks_exact", zeros_exact}, {"deterministic", deterministic}, {"blocks_inside_runs", blocks_inside_runs},
+          {"nonfinite_kept", nonfinite_kept}, {"tiny_blocks_finite", tiny_finite},
+          {"nonfinite_blocks_worst_error_over_bound", special_worst}};
 }
 
 json check_gather(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
