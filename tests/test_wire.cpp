@@ -126,6 +126,23 @@ TEST(Wire, QuantizerStaysWithinItsBound) {
   }
 }
 
+// Issue 36: an Embedding with max_norm (an in-place write in forward) under the quantized
+// all-gather. Seen before the fix: the rows the batch never looked up moved by 0.0106 in three
+// forwards (the dequantized copy merged into the fp32 master); now they keep every bit, and the
+// rows looked up are renormalized to max_norm (within int8's grid: the write is of what the unit
+// computed with).
+TEST(Wire, QuantizedAllGatherKeepsTheMasterExactUnderForwardWrites) {
+  for (const std::string q : {"int8", "fp8"}) {
+    const auto ranks = fsdp_test::expect_ranks("wire", 2, "--variants max_norm --quantize " + q);
+    ASSERT_EQ(ranks.size(), 2u);
+    for (const auto& r : ranks) {
+      EXPECT_EQ(r["untouched_rows_max_change"].get<double>(), 0.0) << q << ": " << r.dump();
+      EXPECT_EQ(r["rows_over_max_norm_before"].get<int64_t>(), 32) << r.dump();  // the write is not a no-op
+      EXPECT_LE(r["looked_rows_max_norm"].get<double>(), 1.0 + 1e-4) << q << ": " << r.dump();
+    }
+  }
+}
+
 // What the units compute with under an int8 (fp8) all-gather, against the master weights: within
 // max|w| / 254 (/ 16) of each parameter's own largest value (blocks never mix parameters: a
 // LayerNorm's ones do not swamp the biases beside them), nonzero, and equal to what fsdp reports

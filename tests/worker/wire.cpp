@@ -1,4 +1,4 @@
-// fsdp-test-worker wire --variants quantize|gather [--quantize int8|fp8] [--quantize-block B] --out PREFIX
+// fsdp-test-worker wire --variants quantize|gather|max_norm [--quantize int8|fp8] [--quantize-block B] --out PREFIX
 //   Issue 26's quantized all-gather, as a user meets it.
 //   quantize (one process): the quantizer itself on shards of awkward sizes (1 element, a block
 //     and one more, blocks of 1 and 7) cut into runs as parameters cut a shard, with a run of ones,
@@ -9,6 +9,7 @@
 //     parameters hold what the units compute with (the quantized all-gather's output); summon_full_params
 //     gives the master weights. Writes the largest difference per parameter, its bound, and fsdp's
 //     own measure of it (Metrics::quantization), which must agree.
+//   max_norm (W ranks): an Embedding with max_norm under the quantized all-gather (check_max_norm).
 #include "comm/quantized_all_gather.h"
 #include "worker.h"
 
@@ -146,12 +147,40 @@ json check_gather(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
           {"metric_max_abs_weight", measured.max_abs_weight}};
 }
 
+// An Embedding with max_norm (an in-place write in forward) under a quantized all-gather: the
+// rows the batch looks up are renormalized (what the unit computed with, merged across ranks),
+// and every other row of the fp32 master stays bit for bit what it was. Before, the merge copied
+// the whole dequantized copy into the shard: every forward snapped the master to the grid.
+json check_max_norm(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
+  constexpr int64_t kRows = 64, kLooked = 32;
+  torch::manual_seed(3);
+  auto net = torch::nn::Sequential(torch::nn::Embedding(torch::nn::EmbeddingOptions(kRows, 16).max_norm(1.0)),
+                                   torch::nn::Linear(16, 4));
+  const at::Tensor before = net[0]->as<torch::nn::EmbeddingImpl>()->weight.detach().clone();
+  fsdp::FullyShardedDataParallel sharded(net.ptr(), mesh, options_from(a));
+  for (int pass = 0; pass < 3; ++pass) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + pass * 10 + mesh->rank());
+    sharded.forward(torch::randint(kLooked, {4, 6}, gen)).sum().backward();
+  }
+  at::Tensor after;
+  {
+    auto full = sharded.summon_full_params();
+    after = net[0]->as<torch::nn::EmbeddingImpl>()->weight.detach().clone();
+  }
+  const at::Tensor untouched = after.narrow(0, kLooked, kRows - kLooked) - before.narrow(0, kLooked, kRows - kLooked);
+  const at::Tensor norms = after.narrow(0, 0, kLooked).norm(2, 1);
+  return {{"rank", mesh->rank()}, {"untouched_rows_max_change", untouched.abs().max().item<double>()},
+          {"looked_rows_max_norm", norms.max().item<double>()},
+          {"rows_over_max_norm_before", (before.narrow(0, 0, kLooked).norm(2, 1) > 1.0).sum().item<int64_t>()}};
+}
+
 }  // namespace
 
 json run_wire(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   if (a.variants == "quantize") return check_quantizer(a);
   if (a.variants == "gather") return check_gather(mesh, a);
-  throw std::invalid_argument("wire: --variants quantize or gather");
+  if (a.variants == "max_norm") return check_max_norm(mesh, a);
+  throw std::invalid_argument("wire: --variants quantize, gather or max_norm");
 }
 
 }  // namespace worker
