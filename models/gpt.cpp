@@ -16,9 +16,10 @@ namespace models {
 // GPTConfig
 
 int64_t GPTConfig::num_parameters() const {
-  const int64_t d = d_model;
-  // ln1 + ln2 (2 * 2d), qkv (3d*d + 3d), proj (d*d + d), fc (4d*d + 4d), proj (d*4d + d).
-  const int64_t per_block = 12 * d * d + 13 * d;
+  const int64_t d = d_model, kv = n_kv_head == 0 ? n_head : n_kv_head, kv_d = 2 * kv * (d / n_head);
+  // ln1 + ln2 (2 * 2d), qkv (3d*d + 3d), proj (d*d + d), fc (4d*d + 4d), proj (d*4d + d); with
+  // grouped-query attention q (d*d + d) and kv (kv_d*d + kv_d) instead of qkv.
+  const int64_t per_block = 9 * d * d + 10 * d + (kv_d + d) * d + kv_d + d;
   return vocab_size * d          // tok_emb (also the head, tied)
          + block_size * d        // pos_emb
          + n_layer * per_block   // blocks
@@ -40,7 +41,12 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   const int64_t masks = dropout > 0 ? (2 * tokens * d + element_size - 1) / element_size : 0;
   // Under tensor parallelism qkv's output, the attention's output, fc's and gelu's (12 of the 16)
   // are split; ln1's, h, ln2's and the block's output are whole on every rank.
-  const int64_t per_block = 4 * tokens * d + 12 * tokens * d / tp + attention + masks;
+  // Grouped-query attention: q's output 1 and the keys and values picked for each query head 2
+  // (split, as qkv's 3 were), and kv's own output, 2 x n_kv_head / n_head (split when the TP size
+  // divides n_kv_head, whole on every rank when the KV heads are replicated).
+  const int64_t kv = n_kv_head == 0 ? n_head : n_kv_head;
+  const int64_t kv_out = kv == n_head ? 0 : 2 * tokens * d * kv / n_head / (kv % tp == 0 ? tp : 1);
+  const int64_t per_block = 4 * tokens * d + 12 * tokens * d / tp + kv_out + attention + masks;
   // The embeddings' sum (the first block's input), tokens x d, and the head's peak.
   const int64_t head = head_activation_bytes(batch, seq_len, element_size);
   // Checkpointed blocks keep only their input (the previous block's output, counted already), and
@@ -86,15 +92,75 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 // ---------------------------------------------------------------------------------------------
 // Blocks
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head_, bool fused_)
-    : n_head(n_head_), fused(fused_) {
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head_, bool fused_, int64_t n_kv_head_)
+    : n_head(n_head_), n_kv_head(n_kv_head_ == 0 ? n_head_ : n_kv_head_), fused(fused_) {
   TORCH_CHECK(n_head > 0 && d_model % n_head == 0, "d_model (", d_model,
               ") must be divisible by n_head (", n_head, ")");
-  qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  TORCH_CHECK(n_kv_head > 0 && n_head % n_kv_head == 0, "GPT: n_kv_head (", n_kv_head, ") must divide n_head (", n_head,
+              "): each key/value head serves the same number of query heads");
+  if (n_kv_head == n_head) {
+    qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  } else {
+    q = register_module("q", torch::nn::Linear(d_model, d_model));
+    kv = register_module("kv", torch::nn::Linear(d_model, 2 * n_kv_head * (d_model / n_head)));
+  }
   proj = register_module("proj", torch::nn::Linear(d_model, d_model));
 }
 
+// Grouped-query attention. This rank's query heads are [first, first + H) of n_head (all of them
+// without TP); query head h uses key/value head h / group. kv is split by heads like q (the rank
+// holds the KV heads its query heads use), or replicated when there are fewer KV heads than TP
+// ranks: then x enters it through copy_to (its gradient there is this rank's heads' part) and kv's
+// own gradient is a part too (gpt_tensor_parallel_plan declares it partial).
+torch::Tensor CausalSelfAttentionImpl::grouped_query(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), hd = x.size(2) / n_head, group = n_head / n_kv_head;
+  const auto q_split = fsdp::tensor_parallel_placement(q->weight);
+  const bool kv_split = fsdp::tensor_parallel_placement(kv->weight).has_value();
+  const torch::Tensor q_out = fsdp::column_parallel(q, x);
+  const int64_t H = q_out.size(-1) / hd;
+  TORCH_CHECK(H * hd == q_out.size(-1) && H > 0, "GPT: tensor parallelism splits a query head: the TP size must divide n_head (",
+              n_head, ")");
+  const int64_t tp_rank = q_split ? q_split->tp->rank() : 0, first = tp_rank * H;
+  torch::Tensor kv_out;
+  int64_t kv_first = 0;  // the first KV head this rank holds
+  if (kv_split || !q_split) {
+    kv_out = fsdp::column_parallel(kv, x);
+    kv_first = kv_split ? tp_rank * (kv_out.size(-1) / 2 / hd) : 0;
+  } else {
+    kv_out = kv(fsdp::copy_to_tensor_parallel_region(x, q_split->tp));
+  }
+  const int64_t KV = kv_out.size(-1) / 2 / hd;
+  auto heads = [&](const torch::Tensor& t, int64_t n) { return t.reshape({B, T, n, hd}).transpose(1, 2); };
+  auto kv_parts = kv_out.chunk(2, /*dim=*/-1);
+  // Each query head's KV head, among those this rank holds.
+  std::vector<int64_t> index(H);
+  for (int64_t j = 0; j < H; ++j) index[j] = (first + j) / group - kv_first;
+  TORCH_CHECK(index.front() >= 0 && index.back() < KV, "GPT: this rank's query heads need KV heads it does not hold");
+  const torch::Tensor pick = torch::tensor(index, torch::TensorOptions().dtype(torch::kLong).device(x.device()));
+  const torch::Tensor k = heads(kv_parts[0], KV).index_select(1, pick), v = heads(kv_parts[1], KV).index_select(1, pick);
+  return attend(heads(q_out, H), k, v, B, T);
+}
+
+// Attention over q, k, v of [B, H, T, hd], then the output projection (row-parallel under TP).
+torch::Tensor CausalSelfAttentionImpl::attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                              int64_t B, int64_t T) {
+  const int64_t C = q.size(1) * q.size(3), hd = q.size(3);
+  if (fused) {
+    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+    return fsdp::row_parallel(proj, y.transpose(1, 2).reshape({B, T, C}));
+  }
+  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  // Built per call on q's device so the module carries no buffer and works for any T.
+  auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(/*diagonal=*/1);
+  att = att.masked_fill(mask, -std::numeric_limits<double>::infinity());
+  att = torch::softmax(att, /*dim=*/-1);
+  auto y = torch::matmul(att, v);                  // [B, H, T, hd]
+  y = y.transpose(1, 2).reshape({B, T, C});        // reshape copies: y is non-contiguous here
+  return fsdp::row_parallel(proj, y);
+}
+
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  if (!qkv) return grouped_query(x);
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t hd = x.size(2) / n_head;
   // qkv is column-parallel under tensor parallelism (gpt_tensor_parallel_plan): each rank holds its
@@ -106,21 +172,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto parts = qkv_out.chunk(3, /*dim=*/-1);
   // [B, T, C] -> [B, H, T, hd]
   auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, H, hd}).transpose(1, 2); };
-  auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-  if (fused) {
-    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-    return fsdp::row_parallel(proj, y.transpose(1, 2).reshape({B, T, C}));
-  }
-
-  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  // Built per call on x's device so the module carries no buffer and works for any T.
-  auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
-                  .triu(/*diagonal=*/1);
-  att = att.masked_fill(mask, -std::numeric_limits<double>::infinity());
-  att = torch::softmax(att, /*dim=*/-1);
-  auto y = torch::matmul(att, v);                  // [B, H, T, hd]
-  y = y.transpose(1, 2).reshape({B, T, C});        // reshape copies: y is non-contiguous here
-  return fsdp::row_parallel(proj, y);
+  return attend(heads(parts[0]), heads(parts[1]), heads(parts[2]), B, T);
 }
 
 MLPImpl::MLPImpl(int64_t d_model) {
@@ -132,10 +184,11 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   return fsdp::row_parallel(proj, torch::gelu(fsdp::column_parallel(fc, x)));
 }
 
-BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention, double dropout_) : dropout(dropout_) {
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention, double dropout_, int64_t n_kv_head)
+    : dropout(dropout_) {
   TORCH_CHECK(dropout >= 0 && dropout < 1, "GPT dropout must be in [0, 1), got ", dropout);
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
-  attn = register_module("attn", CausalSelfAttention(d_model, n_head, fused_attention));
+  attn = register_module("attn", CausalSelfAttention(d_model, n_head, fused_attention, n_kv_head));
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
   mlp = register_module("mlp", MLP(d_model));
 }
@@ -164,7 +217,7 @@ GPTImpl::GPTImpl(const GPTConfig& c) : cfg(c) {
   tok_emb = register_module("tok_emb", torch::nn::Embedding(cfg.vocab_size, cfg.d_model));
   pos_emb = register_module("pos_emb", torch::nn::Embedding(cfg.block_size, cfg.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(Block(cfg.d_model, cfg.n_head, cfg.fused_attention, cfg.dropout));
+  for (int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(Block(cfg.d_model, cfg.n_head, cfg.fused_attention, cfg.dropout, cfg.n_kv_head));
   ln_f = register_module("ln_f",
                          torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.d_model})));
   head = register_module("head", TiedLMHead(tok_emb->weight));
@@ -220,11 +273,27 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& ta
   return fsdp::vocab_parallel_cross_entropy(logits, targets, tok_emb->weight);
 }
 
-std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan() {
+std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan(const GPTConfig& cfg, int64_t tp) {
   std::vector<fsdp::TensorParallelRule> plan = {{"tok_emb.weight", {0, 1}}};  // the tied head with it
-  for (const auto& rules : {fsdp::column_parallel_rule("blocks.*.attn.qkv", /*parts=*/3), fsdp::row_parallel_rule("blocks.*.attn.proj"),
-                            fsdp::column_parallel_rule("blocks.*.mlp.fc"), fsdp::row_parallel_rule("blocks.*.mlp.proj")})
-    plan.insert(plan.end(), rules.begin(), rules.end());
+  auto add = [&](const std::vector<fsdp::TensorParallelRule>& rules) { plan.insert(plan.end(), rules.begin(), rules.end()); };
+  const int64_t kv_heads = cfg.n_kv_head == 0 ? cfg.n_head : cfg.n_kv_head;
+  if (kv_heads == cfg.n_head) {
+    add(fsdp::column_parallel_rule("blocks.*.attn.qkv", /*parts=*/3));
+  } else {
+    add(fsdp::column_parallel_rule("blocks.*.attn.q"));
+    if (tp <= 1 || kv_heads % tp == 0) {
+      add(fsdp::column_parallel_rule("blocks.*.attn.kv", /*parts=*/2));  // keys' rows, then values'
+    } else if (tp % kv_heads == 0) {
+      add({fsdp::partial_gradient_rule("blocks.*.attn.kv.weight"), fsdp::partial_gradient_rule("blocks.*.attn.kv.bias")});
+    } else {
+      throw std::invalid_argument("GPT: " + std::to_string(kv_heads) + " key/value heads neither split over " +
+                                  std::to_string(tp) + " TP ranks nor replicate evenly on them: choose a TP size that "
+                                  "divides n_kv_head or that n_kv_head divides");
+    }
+  }
+  add(fsdp::row_parallel_rule("blocks.*.attn.proj"));
+  add(fsdp::column_parallel_rule("blocks.*.mlp.fc"));
+  add(fsdp::row_parallel_rule("blocks.*.mlp.proj"));
   return plan;
 }
 

@@ -30,6 +30,10 @@ struct GPTConfig {
   // The tensor-parallel size activation_bytes counts for (gpt_tensor_parallel_plan): each rank
   // holds its heads' and features' share of the split layers' activations and all of the rest.
   int64_t tensor_parallel = 1;
+  // (After the presets' five fields, which they set by position.) Grouped-query attention: the key/value heads, each shared by n_head / n_kv_head query heads
+  // (0: as many as n_head, multi-head attention with one fused q/k/v layer). Fewer than n_head:
+  // q and kv are separate layers, "q" and "kv" (the keys' rows, then the values').
+  int64_t n_kv_head = 0;
 
   // Analytic parameter count of GPT(*this); the tied embedding/head weight is counted once.
   int64_t num_parameters() const;
@@ -48,13 +52,19 @@ struct GPTConfig {
 };
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
-  CausalSelfAttentionImpl(int64_t d_model, int64_t n_head, bool fused = true);
+  // n_kv_head: GPTConfig::n_kv_head (0: n_head).
+  CausalSelfAttentionImpl(int64_t d_model, int64_t n_head, bool fused = true, int64_t n_kv_head = 0);
   // x: [B, T, d_model] -> [B, T, d_model]
   torch::Tensor forward(const torch::Tensor& x);
 
-  int64_t n_head;
+  int64_t n_head, n_kv_head;
   bool fused;  // GPTConfig::fused_attention
-  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  // Multi-head: qkv. Grouped-query: q and kv (qkv null).
+  torch::nn::Linear qkv{nullptr}, q{nullptr}, kv{nullptr}, proj{nullptr};
+
+ private:
+  torch::Tensor grouped_query(const torch::Tensor& x);
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t B, int64_t T);
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -67,7 +77,7 @@ struct MLPImpl : torch::nn::Module {
 TORCH_MODULE(MLP);
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention = true, double dropout = 0.0);
+  BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention = true, double dropout = 0.0, int64_t n_kv_head = 0);
   torch::Tensor forward(const torch::Tensor& x);
 
   double dropout;  // GPTConfig::dropout
@@ -114,8 +124,12 @@ TORCH_MODULE(GPT);
 // and tied head) split by rows; q/k/v by heads and the MLP's first layer by features
 // (column-parallel); the attention's and MLP's output projections by input features
 // (row-parallel). LayerNorms, biases of row-parallel layers and the position embedding replicated.
-// The TP size must divide n_head and vocab_size.
-std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan();
+// The TP size must divide n_head and vocab_size. Grouped-query attention: q split by heads; kv
+// split by heads when the TP size divides n_kv_head, else (fewer KV heads than TP ranks, the TP
+// size a multiple of them) replicated, each rank using the KV heads of its query heads, its
+// gradient a part of the whole one (fsdp::partial_gradient_rule). Throws std::invalid_argument
+// for a TP size that fits neither.
+std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan(const GPTConfig& cfg = {}, int64_t tp = 1);
 
 // Mean cross entropy over all positions. logits [B, T, V], targets int64 [B, T].
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets);

@@ -195,6 +195,15 @@ TEST(TensorParallel, AUsersSlipsAreRefusedByName) {
       {"scaler_dp", "ShardedGradScaler was made on a mesh of 2 ranks", "tp->world()"},
       {"seed_per_rank", "built different models", "same seed"},
       {"batch_by_world", "gave forward different inputs", "tp->data_parallel()->rank()"},
+      // Found by the outside review of issue 36 (each trained silently wrong on the library before):
+      // the input check spent on an evaluation forward, the batch given through forward_with,
+      // per-rank label noise, an id past the vocabulary (zero rows instead of an error), a
+      // column-parallel bias left whole (a raw ATen size error).
+      {"eval_first", "gave forward different inputs", "tp->data_parallel()->rank()"},
+      {"via_forward_with", "gave the ids of fsdp::vocab_parallel_embedding different values", "tp->data_parallel()->rank()"},
+      {"label_noise", "gave the targets of fsdp::vocab_parallel_cross_entropy different values", "seeded alike"},
+      {"id_out_of_range", "hold 100 on rank 0, outside [0, 100)", "tokenizer"},
+      {"bias_unsplit", "its bias is not", "column_parallel_rule"},
   };
   for (const auto& c : cases) {
     const auto ranks = fsdp_test::expect_ranks("tensor_parallel", 4, "--tp 2 --variants " + c.variant);
@@ -257,6 +266,24 @@ TEST(TensorParallel, NonAsciiTextTrainsLikeLocal) {
   std::remove(corpus.c_str());
 }
 
+// Grouped-query attention (--n-kv-head, GPT 'small': 4 query heads): 2 KV heads split at TP 2 x
+// DP 2 and replicated at TP 4 (each rank uses its query head's KV head: x enters kv through
+// copy_to, kv's gradient is declared partial and summed over TP), 1 KV head replicated at TP 2
+// and TP 4; against local training of the same GQA model. At --lr 5e-4, as on non-ASCII text:
+// the GPT's step-0 norm already differs by 1.4e-6 under TP (multi-head too), which AdamW at the
+// default 2e-3 grows to 6e-5 in 20 steps.
+TEST(TensorParallel, GroupedQueryAttentionTrainsLikeLocal) {
+  for (const std::string kv : {"2", "1"}) {
+    const std::string common = "--model small --global-batch-size 12 --clip 0.1 --lr 5e-4 --n-kv-head " + kv;
+    const auto local = main_job(common + " --local", kSteps);
+    for (const std::string launch : {"--nproc-per-node 4 --tp 2", "--nproc-per-node 4 --tp 4"}) {
+      const auto run = main_job(common + " " + launch, kSteps);
+      expect_same_losses(run.losses, local.losses, 1e-5, "kv " + kv + " " + launch);
+      expect_same_norms(run, local, "kv " + kv + " " + launch);
+    }
+  }
+}
+
 // The text sample at the end of a --tp run: the split logits gathered over the TP ranks give the
 // same text as the same checkpoint sampled whole without TP.
 TEST(TensorParallel, TheSampleIsTheWholeModels) {
@@ -288,6 +315,8 @@ TEST(TensorParallel, WhatCannotWorkIsRefused) {
       {"--model small --nproc-per-node 2 --tp 2 --dropout 0.1", "drop --dropout"},
       {"--model dhen-tiny --nproc-per-node 2 --tp 2", "has no tensor-parallel plan"},
       {"--model small --local --tp 2", "--tp needs fsdp"},
+      {"--model small --nproc-per-node 2 --tp 2 --n-kv-head 3", "n_kv_head (3) must divide n_head (4)"},
+      {"--model t5-tiny --nproc-per-node 2 --tp 2 --n-kv-head 2", "grouped-query attention is the GPT's"},
       // Refused at the start, not at the end of the run (was: after every step had trained).
       {"--model small --nproc-per-node 2 --tp 2 --save-dir " + fsdp_test::temp_prefix("tp-sharded") +
            " --checkpoint-kind sharded",

@@ -25,6 +25,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "T5 (sequence to sequence: reverse the text): t5-tiny, t5-small, t5-large, t5-3b, t5-11b (--plan); "
                  "DHEN-like recommendation model (synthetic clicks): dhen-tiny, dhen-small, dhen-large");
   app.add_option("--block-size", c.block_size, "sequence length (default: the preset's)");
+  app.add_option("--n-kv-head", c.n_kv_head, "GPT: grouped-query attention with this many key/value heads, each shared "
+                 "by n_head / N query heads (default: as many as query heads); under --tp, a TP size that divides N splits "
+                 "them, one that N divides replicates them")->check(CLI::NonNegativeNumber);
   app.add_option("--lr", c.lr, "AdamW learning rate");
   app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");
   app.add_option("--log-every", c.log_every, "print every N steps")->check(CLI::PositiveNumber);
@@ -176,6 +179,7 @@ models::GPTConfig model_config(const Config& c, const models::TokenSource& data)
   auto cfg = models::GPTConfig::preset(c.model);
   cfg.vocab_size = std::max<int64_t>(cfg.vocab_size, data.vocab_size());
   if (c.block_size > 0) cfg.block_size = c.block_size;
+  if (c.n_kv_head > 0) cfg.n_kv_head = c.n_kv_head;
   cfg.fused_attention = c.attention == "fused";
   cfg.tensor_parallel = c.tp;
   cfg.dropout = c.dropout;

@@ -45,7 +45,7 @@ class GPTWorkload final : public Workload {
   torch::Tensor loss(torch::nn::Module& model, const torch::Tensor& out, const Batch& b) const override {
     return static_cast<models::GPTImpl&>(model).loss(out, b.targets);  // vocabulary-parallel under --tp
   }
-  std::vector<fsdp::TensorParallelRule> tensor_parallel_plan() const override { return models::gpt_tensor_parallel_plan(); }
+  std::vector<fsdp::TensorParallelRule> tensor_parallel_plan() const override { return models::gpt_tensor_parallel_plan(cfg_, cfg_.tensor_parallel); }
 
   // Training FLOPs per token (forward and backward: 3 x the forward's 2 per weight, and
   // attention's two T x d products per layer).
@@ -74,6 +74,9 @@ std::unique_ptr<Workload> gpt_workload(const Config& c) { return std::make_uniqu
 int64_t default_global_batch(const std::string& model) { return model.rfind("dhen-", 0) == 0 ? 256 : 16; }
 
 std::unique_ptr<Workload> make_workload(const Config& c) {
+  if (c.n_kv_head > 0 && (c.model.rfind("t5-", 0) == 0 || c.model.rfind("dhen-", 0) == 0)) {
+    throw std::invalid_argument("--n-kv-head: grouped-query attention is the GPT's; " + c.model + " has none. Drop it");
+  }
   if (c.model.rfind("t5-", 0) == 0) return t5_workload(c);
   if (c.model.rfind("dhen-", 0) == 0) return dhen_workload(c);
   models::GPTConfig::preset(c.model);  // throws, naming the presets, for an unknown name

@@ -174,7 +174,9 @@ class FullyShardedDataParallelBase {
   // is discarded on every rank and refused by the next call (forward, summon_full_params,
   // unshard, clip_grad_norm_, a checkpoint). Without it, changes are discarded (every strategy).
   // Values are the optimizer's (the master dtype, even with mixed precision); gradients stay
-  // sharded.
+  // sharded. Under tensor parallelism "whole" is fsdp's: a parameter split for TP holds this TP
+  // rank's part of it (its whole TP part, gathered over the data-parallel ranks); for the whole
+  // tensors, take fsdp::full_state_dict or a FULL checkpoint, which gather over TP too.
   class FullParams {
    public:
     ~FullParams();
@@ -276,11 +278,13 @@ class FullyShardedDataParallelBase {
                                Options options);
   // Mixed precision's param_dtype, which floating-point forward inputs are cast to.
   std::optional<c10::ScalarType> input_dtype() const;
-  // With tensor parallelism, until a first forward's inputs passed the check: the TP ranks of a
-  // data-parallel group must give forward the same inputs (the same rows of the batch). Compares
-  // the forward's tensor arguments across the TP group (collective over it) and throws, naming
-  // the argument, when they differ.
-  bool inputs_unchecked() const;
+  // With tensor parallelism, every forward's inputs are checked: the TP ranks of a data-parallel
+  // group must give forward the same inputs (the same rows of the batch, in the same order).
+  // Compares the forward's tensor arguments across the TP groups (a checksum each, one all-gather
+  // over the job) and throws on every rank, naming the argument, when they differ. Tensors inside
+  // other types, and forward_with's callable, are not seen here: the vocabulary-parallel embedding
+  // and cross entropy check their ids and targets themselves.
+  bool checks_inputs() const;
   void check_inputs(const std::vector<at::Tensor>& inputs);
 
  private:
@@ -309,7 +313,7 @@ class FullyShardedDataParallel : public FullyShardedDataParallelBase {
   // parameters of another dtype is refused by name.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    if (inputs_unchecked()) check_inputs({tensor_argument(args)...});
+    if (checks_inputs()) check_inputs({tensor_argument(args)...});
     const auto dtype = input_dtype();
     return forward_with([&]() -> decltype(auto) { return module_->forward(cast_input(dtype, std::forward<Args>(args))...); });
   }

@@ -167,13 +167,20 @@ at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x);
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight);
 // The module's lookup with its options, split or not: padding_idx (that row's gradient stays 0),
 // max_norm (the rows looked up renormalized in place, by the rank that holds them) and
-// scale_grad_by_freq (counts over the whole batch of ids); a plain module call when not split.
+// scale_grad_by_freq (counts over this data-parallel rank's ids, every TP rank alike, as DDP
+// counts per replica); a plain module call when not split. Both lookups refuse, on every rank,
+// ids outside [0, rows) and ids that differ across the TP ranks of a data-parallel group
+// (a collective over the job per call).
 at::Tensor vocab_parallel_embedding(torch::nn::Embedding& embedding, const at::Tensor& ids);
 // Mean cross entropy of logits split along the last dimension (each rank's classes, e.g. the
 // output of column_parallel with a vocabulary-split weight) against int64 targets, without
 // gathering the logits: the max, the sum of exponentials and the target's logit are all-reduced.
 // `weight`: the split weight the logits came from (names the group); plain when not split. Every
-// target must be a class or, with `options.ignore_index`, that index (a row that counts nothing).
+// target must be a class or, with `options.ignore_index`, that index (a row that counts nothing),
+// and every TP rank of a data-parallel group must hold the same targets: both refused on every
+// rank otherwise (a collective over the job per call). Anything else computed from split logits
+// (a z-loss's logsumexp, an accuracy, torch's own cross entropy) sees this rank's classes only:
+// gather them first (gather_from_tensor_parallel_region).
 struct VocabParallelCrossEntropyOptions {
   // As torch::nn::functional::cross_entropy: the target that counts nothing (-100 by default there;
   // unset here, so that a stray target is refused rather than ignored), the smoothing of the

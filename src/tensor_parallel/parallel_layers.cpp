@@ -12,9 +12,12 @@
 #include <stdexcept>
 
 #include "tensor_parallel/layer_scope.h"
+#include "tensor_parallel/replica_agreement.h"
 
 namespace fsdp {
 namespace {
+
+const char* const kEmbeddingIds = "the ids of fsdp::vocab_parallel_embedding";
 
 // How many TensorParallelLayerScopes this thread is in (fsdp's layers open one around the
 // operators that read a split weight).
@@ -180,6 +183,13 @@ void expect_dim(const TensorParallelPlacement& p, int64_t dim, const char* layer
 at::Tensor column_split(const TensorParallelPlacement& p, const at::Tensor& x, const at::Tensor& weight,
                         const at::Tensor& bias) {
   expect_dim(p, 0, "column_parallel");
+  // Each rank computes its output features, so the bias is split with the weight. (Its placement,
+  // not its size: before the unit is gathered the bias may still be fsdp's 1-D shard.)
+  if (bias.defined() && !tensor_parallel_placement(bias)) {
+    throw std::invalid_argument("fsdp: column_parallel's weight is split by output features and its bias is not: split "
+                                "the bias with it (fsdp::column_parallel_rule(pattern, parts, /*bias=*/true), or a rule "
+                                "{\"<layer>.bias\", {0, parts}})");
+  }
   TensorParallelLayerScope layer;
   return at::linear(CopyToRegion::apply(x, key_of(p.tp)), weight, bias);
 }
@@ -315,6 +325,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
   const auto p = active(weight);
   if (!p) return at::embedding(weight, ids);
   expect_dim(*p, 0, "vocab_parallel_embedding");
+  detail::check_ids_across_tensor_parallel(*p->tp, ids, p->full_shape[0], std::nullopt, kEmbeddingIds);
   const auto [begin, rows] = rows_of(*p);
   const at::Tensor outside = (ids < begin).logical_or(ids >= begin + rows);
   const at::Tensor local = (ids - begin).masked_fill(outside, 0);
@@ -328,6 +339,7 @@ at::Tensor vocab_parallel_embedding(torch::nn::Embedding& embedding, const at::T
   const auto p = active(weight);
   if (!p) return embedding->forward(ids);
   expect_dim(*p, 0, "vocab_parallel_embedding");
+  detail::check_ids_across_tensor_parallel(*p->tp, ids, p->full_shape[0], std::nullopt, kEmbeddingIds);
   const auto& o = embedding->options;
   const auto [begin, rows] = rows_of(*p);
   const at::Tensor here = (ids >= begin).logical_and(ids < begin + rows);
@@ -386,14 +398,15 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
     return reduction == CeReduction::NONE ? out.view(targets.sizes()) : out;
   }
   TORCH_CHECK(p->shard.parts == 1 && p->shard.dim == 0, "fsdp: vocab_parallel_cross_entropy needs a weight split by rows");
-  // A target outside the classes would be "on no rank" and count as a logit of 0, silently: refused,
-  // unless it is the ignored index. One check, one device sync.
-  const int64_t classes = logits.size(-1) * p->tp->size();
-  at::Tensor stray = targets.lt(0).logical_or(targets.ge(classes));
-  if (options.ignore_index) stray = stray.logical_and(targets.ne(*options.ignore_index));
-  TORCH_CHECK(!stray.any().item<bool>(), "fsdp::vocab_parallel_cross_entropy: every target must be a class in [0, ",
-              classes, ")", options.ignore_index ? " or the ignore_index " + std::to_string(*options.ignore_index) : "",
-              "; set VocabParallelCrossEntropyOptions::ignore_index for targets that count nothing");
+  const int64_t classes = p->full_shape[0];
+  TORCH_CHECK(logits.size(-1) * p->tp->size() == classes, "fsdp::vocab_parallel_cross_entropy: the logits hold ",
+              logits.size(-1), " classes on each of the ", p->tp->size(), " TP ranks, and the weight given was split from ",
+              classes, " rows: pass the weight the logits came from (column_parallel's, split by rows)");
+  // A target outside the classes would be "on no rank" and count as a logit of 0, silently; one that
+  // differs across the TP ranks (per-rank label noise) mixes two batches' losses: both refused on
+  // every rank (the targets gathered over the job), unless it is the ignored index.
+  detail::check_ids_across_tensor_parallel(*p->tp, targets, classes, options.ignore_index,
+                                           "the targets of fsdp::vocab_parallel_cross_entropy");
   return SplitCrossEntropy::apply(logits, targets, p->tp->rank() * logits.size(-1), key_of(p->tp), options.ignore_index,
                                   options.label_smoothing, static_cast<int64_t>(reduction));
 }

@@ -154,7 +154,12 @@ void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>
                                   "' of shape " + shape_text(p.sizes()) + " along dimension " +
                                   std::to_string(shard.dim) + " into " + std::to_string(shard.parts) + " part(s) of " +
                                   std::to_string(tp->size()) + " ranks, which does not divide it; pick a TP size that "
-                                  "divides the heads and features");
+                                  "divides the heads and features" +
+                                  (p.dim() == 1 && dim != 0
+                                       ? std::string(" (a 1-D tensor where the rule expects more dimensions: a model "
+                                                     "wrapped with fsdp already holds flat shards; call "
+                                                     "fsdp::parallelize before wrapping)")
+                                       : std::string()));
     }
     TensorParallelPlacement placement{{dim, shard.parts}, p.sizes().vec(), tp};
     if (tp->size() > 1) p.set_data(tensor_parallel_part(p, placement.shard, tp->rank(), tp->size()));

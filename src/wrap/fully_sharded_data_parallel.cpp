@@ -21,7 +21,7 @@ std::optional<c10::ScalarType> FullyShardedDataParallelBase::input_dtype() const
   return root_->options().mixed_precision->param_dtype;
 }
 
-bool FullyShardedDataParallelBase::inputs_unchecked() const { return root_->inputs_unchecked(); }
+bool FullyShardedDataParallelBase::checks_inputs() const { return root_->checks_inputs(); }
 void FullyShardedDataParallelBase::check_inputs(const std::vector<at::Tensor>& inputs) { root_->check_inputs(inputs); }
 
 FullyShardedDataParallelBase::NoSync::NoSync(detail::ShardedRoot* root) : root_(root) {

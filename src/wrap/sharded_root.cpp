@@ -90,7 +90,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   } else {
     check_tensor_parallel_replicas();
   }
-  inputs_unchecked_ = options_.tensor_parallel && options_.tensor_parallel->size() > 1;
+  checks_inputs_ = options_.tensor_parallel && options_.tensor_parallel->size() > 1;
   if (const auto& mp = options_.mixed_precision) {
     // Buffers are not sharded: cast them once, here, instead of at every forward. Not those of
     // ignored modules: they are the caller's, computed with its own (uncast) parameters, and a
@@ -191,7 +191,10 @@ void ShardedRoot::check_tensor_parallel_replicas() {
 
 void ShardedRoot::check_inputs(const std::vector<at::Tensor>& inputs) {
   const auto& tp = options_.tensor_parallel;
-  if (!inputs_unchecked_ || !tp) return;
+  // Every forward, not the first only: an evaluation forward on a shared batch may come first,
+  // and the vocabulary-parallel lookup would hide the slip from every later check (its all-reduce
+  // sums the TP ranks' different rows into one activation all of them hold).
+  if (!checks_inputs_ || !tp) return;
   const auto differ = differ_across_tensor_parallel(*tp, inputs);
   if (!differ.empty()) {
     throw Refusal("fsdp: the " + std::to_string(tp->size()) + " tensor-parallel ranks of data-parallel rank " +
@@ -201,7 +204,6 @@ void ShardedRoot::check_inputs(const std::vector<at::Tensor>& inputs) {
                   "(tp->data_parallel()->rank() of tp->data_parallel()->world_size()), not by the world rank, and "
                   "give every TP rank the same data order.");
   }
-  inputs_unchecked_ = false;
 }
 
 void ShardedRoot::check_not_wrapped_already() const {

@@ -43,8 +43,8 @@ class ShardedRoot {
   void throw_pending_refusal();
   // Throws when the model holds a parameter it did not hold when wrapped (forward calls it).
   void check_no_new_parameters() const;
-  // Tensor parallelism: the first forward's inputs compared across the TP group (fsdp.h).
-  bool inputs_unchecked() const { return inputs_unchecked_; }
+  // Tensor parallelism: every forward's inputs compared across the TP groups (fsdp.h).
+  bool checks_inputs() const { return checks_inputs_; }
   void check_inputs(const std::vector<at::Tensor>& inputs);
   std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters() const;
   std::vector<UnitInfo> units() const;
@@ -90,7 +90,7 @@ class ShardedRoot {
   std::vector<std::unique_ptr<Unit>> units_;
   std::shared_ptr<Runtime> runtime_;
   bool summoned_ = false;
-  bool inputs_unchecked_ = false;  // set at wrapping with a TP group of more than one rank
+  bool checks_inputs_ = false;  // set at wrapping with a TP group of more than one rank
   std::unordered_set<const c10::TensorImpl*> wrapped_params_;  // every parameter at wrapping
   bool summon_writes_ = false;        // the summon scope writes back
   std::string pending_refusal_;       // end_summon's, thrown by the next call

@@ -20,12 +20,12 @@ MAY_INCLUDE = {
     "comm": ["observe"],                # collectives, process groups, streams, rate limiter, launch
     "tensor_parallel": ["comm", "observe"],  # the 2-D mesh, the plan, column/row-parallel layers
     "precision": ["comm"],              # mixed precision's dtypes, the sharded gradient scaler
-    "engine": ["precision", "comm", "init", "memory", "observe"],  # units, flat params, runtime
-    "plan": ["engine", "precision", "comm", "init", "memory", "observe"],  # memory plan and budget
-    "wrap": ["plan", "engine", "precision", "comm", "init", "memory", "observe"],  # the wrapper
-    "checkpoint": ["wrap", "plan", "engine", "precision", "comm", "init", "memory", "observe"],
+    "engine": ["tensor_parallel", "precision", "comm", "init", "memory", "observe"],  # units, flat params, runtime
+    "plan": ["tensor_parallel", "engine", "precision", "comm", "init", "memory", "observe"],  # memory plan and budget
+    "wrap": ["tensor_parallel", "plan", "engine", "precision", "comm", "init", "memory", "observe"],  # the wrapper
+    "checkpoint": ["tensor_parallel", "wrap", "plan", "engine", "precision", "comm", "init", "memory", "observe"],
     # live replica groups: the coordinator, the quorum protocol, the state a joining group gets
-    "fault_tolerance": ["checkpoint", "wrap", "plan", "engine", "precision", "comm", "init", "memory", "observe"],
+    "fault_tolerance": ["tensor_parallel", "checkpoint", "wrap", "plan", "engine", "precision", "comm", "init", "memory", "observe"],
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')

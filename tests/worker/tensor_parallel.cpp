@@ -24,6 +24,12 @@
 //     scaler_dp        a ShardedGradScaler made on tp->data_parallel() instead of tp->world()
 //     seed_per_rank    each rank builds its model from its own seed (sync_module_states on)
 //     batch_by_world   each rank takes the batch slice of its world rank, not its DP rank
+//     eval_first       batch_by_world after an evaluation forward on a batch every rank shares
+//     via_forward_with batch_by_world through forward_with (the root sees no arguments), the
+//                      embedding split: its lookup checks the ids
+//     label_noise      the right rows, and one target changed on TP rank 1 (per-rank label noise)
+//     bias_unsplit     the column-parallel layer's weight split and its bias not
+//     id_out_of_range  an id equal to the vocabulary size in DP rank 0's rows, the embedding split
 #include "fsdp/tensor_parallel.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/grad_scaler.h"
@@ -165,7 +171,10 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
                                                 {"blocks.*.up.bias", {0, 1}},
                                                 {"blocks.*.down.weight", {1, 1}},
                                                 {"head.weight", {0, 1}}};
-  if (v.has("embed_unit") || v.has("embed_options")) plan.push_back({"embed.weight", {0, 1}});
+  if (v.has("bias_unsplit")) plan.erase(plan.begin() + 1);
+  if (v.has("embed_unit") || v.has("embed_options") || v.has("via_forward_with") || v.has("id_out_of_range")) {
+    plan.push_back({"embed.weight", {0, 1}});
+  }
   if (v.has("qk_norm")) plan.push_back(fsdp::partial_gradient_rule("blocks.*.qk_w"));
   fsdp::parallelize(*mine, tp, plan);
   fsdp::Options opts = options_from(a);
@@ -180,7 +189,7 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
   if (v.has("scaler_dp")) scaler.emplace(dp);
   // The batch slice of this rank's place among the data-parallel ranks: TP ranks of one DP group
   // see the same rows. batch_by_world slices by the world rank instead.
-  const bool by_world = v.has("batch_by_world");
+  const bool by_world = v.has("batch_by_world") || v.has("eval_first") || v.has("via_forward_with");
   const int64_t per = kGlobalBatch / (by_world ? mesh->world_size() : dp->world_size());
   const int64_t begin = (by_world ? mesh->rank() : dp->rank()) * per;
   // Ids past V / TP (every rank's rows are looked up) and the padding id among them.
@@ -190,6 +199,13 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
     const torch::Tensor ids = torch::randint(id_low, kVocab, {kGlobalBatch, kTokens}, gen);
     const torch::Tensor y = torch::randint(kClasses, {kGlobalBatch}, gen);
+    if (v.has("eval_first") && step == 0) {
+      torch::NoGradGuard no_grad;  // every rank the same rows: passes the input check
+      sharded.forward(ids.narrow(0, 0, per));
+    }
+    torch::Tensor my_ids = ids.narrow(0, begin, per).clone(), my_y = y.narrow(0, begin, per).clone();
+    if (v.has("label_noise") && tp->rank() == 1) my_y[0] = (my_y[0].item<int64_t>() + 1) % kClasses;
+    if (v.has("id_out_of_range") && dp->rank() == 0) my_ids[0][0] = kVocab;
     local_opt.zero_grad();
     torch::Tensor l;
     if (!v.has("embed_options")) {
@@ -210,7 +226,9 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
     const double local_norm = torch::nn::utils::clip_grad_norm_(local->parameters(), 0.05);
     local_opt.step();
     my_opt.zero_grad();
-    const torch::Tensor m = mine->loss(sharded.forward(ids.narrow(0, begin, per)), y.narrow(0, begin, per));
+    const torch::Tensor logits = v.has("via_forward_with") ? sharded.forward_with([&] { return mine->forward(my_ids); })
+                                                            : sharded.forward(my_ids);
+    const torch::Tensor m = mine->loss(logits, my_y);
     (scaler ? scaler->scale(m) : m).backward();
     if (scaler) scaler->unscale_(my_opt);
     const double my_norm = sharded.clip_grad_norm_(0.05);
