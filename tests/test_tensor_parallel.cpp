@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <random>
 #include <fstream>
 
 #include "dist_test_util.h"
@@ -180,6 +181,39 @@ TEST(TensorParallel, AUsersOwnLayersTrainLikeLocal) {
     }
   }
 }
+
+// Configurations of the user's own model drawn from a seed: the TP size (2 at DP 2, or 4), the
+// strategy, and any of the embedding split and in a unit of its own with ids past V / TP, the
+// module's embedding options, a QK-norm under its rule, the head tied to the embedding. Each
+// against local training (losses, clipping norm, every whole parameter after 5 SGD steps).
+void expect_random_configurations_like_local(unsigned first, unsigned last) {
+  const char* strategies[] = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard --shard-size 1"};
+  const char* features[] = {"embed_unit", "embed_options", "qk_norm", "tied"};
+  for (unsigned seed = first; seed < last; ++seed) {
+    std::mt19937 rng(seed);
+    const int tp = rng() % 3 == 0 ? 4 : 2;
+    std::string variants;
+    for (const char* f : features) {
+      if (rng() % 2) variants += (variants.empty() ? "" : ",") + std::string(f);
+    }
+    const std::string flags = "--tp " + std::to_string(tp) + " --strategy " + strategies[rng() % 4] + " --variants " +
+                              (variants.empty() ? "plain" : variants);
+    const auto ranks = fsdp_test::expect_ranks("tensor_parallel", 4, flags);
+    ASSERT_EQ(ranks.size(), 4u) << "seed " << seed << ": " << flags;
+    for (const auto& j : ranks) {
+      ASSERT_FALSE(j.contains("refused")) << "seed " << seed << ": " << flags << " " << j.dump();
+      EXPECT_LE(j["loss_diff"].get<double>(), 1e-5) << "seed " << seed << ": " << flags << " " << j.dump();
+      EXPECT_LE(j["norm_rel_diff"].get<double>(), 1e-5) << "seed " << seed << ": " << flags << " " << j.dump();
+      EXPECT_LE(j["param_diff"].get<double>(), 1e-5) << "seed " << seed << ": " << flags << " " << j.dump();
+      EXPECT_EQ(j["compared"].get<int>(), j["parameters"].get<int>()) << "seed " << seed << ": " << flags << " " << j.dump();
+    }
+  }
+}
+
+TEST(TensorParallel, RandomUserConfigurationsTrainLikeLocal) { expect_random_configurations_like_local(0, 6); }
+
+// More seeds, under label long (ctest -L long -R RandomUserConfigurations).
+TEST(TensorParallel, RandomUserConfigurationsBeyondTheFixedSeeds) { expect_random_configurations_like_local(6, 60); }
 
 // A user's slips that trained silently wrong before (seen on the library before: the QK-norm
 // without its rule moved the parameters 4.7e-4 off local training, the head called outside the

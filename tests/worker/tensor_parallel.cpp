@@ -13,6 +13,9 @@
 //     embed_options  the embedding with padding_idx, max_norm and scale_grad_by_freq, looked up
 //                    through fsdp::vocab_parallel_embedding(Embedding&, ids) (the local oracle
 //                    accumulates the batch by data-parallel slices: the frequencies are per slice)
+//     tied           no head of its own: the logits through column_parallel with the embedding's
+//                    weight (split by rows for the lookup, by output features for the head),
+//                    the classes the vocabulary
 //     qk_norm        a replicated per-head-feature norm weight applied to the split hidden
 //                    features of each block, declared by a partial_gradient_rule
 //     api            no training: the cross entropy's options and the region primitives against
@@ -73,13 +76,14 @@ struct MyBlockImpl : torch::nn::Module {
 TORCH_MODULE(MyBlock);
 
 struct MyNetImpl : torch::nn::Module {
-  explicit MyNetImpl(const Variants& v) : head_outside(v.has("head_outside")) {
+  explicit MyNetImpl(const Variants& v) : head_outside(v.has("head_outside")), tied(v.has("tied")) {
     auto eo = torch::nn::EmbeddingOptions(kVocab, kWidth);
-    if (v.has("embed_options")) eo.padding_idx(3).max_norm(1.0).scale_grad_by_freq(true);
+    // With the tied head, no scale_grad_by_freq: see per_slice_oracle in train().
+    if (v.has("embed_options")) eo.padding_idx(3).max_norm(1.0).scale_grad_by_freq(!v.has("tied"));
     embed = register_module("embed", torch::nn::Embedding(eo));
     const bool qk = v.has("qk_norm") || v.has("qk_norm_no_rule");
     blocks = register_module("blocks", torch::nn::ModuleList(MyBlock(qk), MyBlock(qk)));
-    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(kWidth, kClasses).bias(false)));
+    if (!tied) head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(kWidth, kClasses).bias(false)));
   }
   torch::Tensor forward(const torch::Tensor& ids) {
     // With options (padding_idx, max_norm, scale_grad_by_freq) the module's lookup; the plain one
@@ -89,12 +93,14 @@ struct MyNetImpl : torch::nn::Module {
     for (const auto& b : *blocks) x = b->as<MyBlockImpl>()->forward(x);
     // A user's slip: the split head called directly (local training computes the same).
     if (head_outside) return at::linear(x.mean(1), head->weight);
+    if (tied) return fsdp::column_parallel(x.mean(1), embed->weight);  // [B, vocabulary / TP]
     return fsdp::column_parallel(head, x.mean(1));  // [B, classes / TP]
   }
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& y) {
-    return fsdp::vocab_parallel_cross_entropy(logits, y, head->weight);
+    return fsdp::vocab_parallel_cross_entropy(logits, y, tied ? embed->weight : head->weight);
   }
-  bool head_outside;
+  int64_t classes() const { return tied ? kVocab : kClasses; }
+  bool head_outside, tied;
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::Linear head{nullptr};
@@ -169,10 +175,11 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
   MyNet local = build(0), mine = build(v.has("seed_per_rank") ? mesh->rank() : 0);
   std::vector<fsdp::TensorParallelRule> plan = {{"blocks.*.up.weight", {0, 1}},
                                                 {"blocks.*.up.bias", {0, 1}},
-                                                {"blocks.*.down.weight", {1, 1}},
-                                                {"head.weight", {0, 1}}};
+                                                {"blocks.*.down.weight", {1, 1}}};
+  if (!v.has("tied")) plan.push_back({"head.weight", {0, 1}});
   if (v.has("bias_unsplit")) plan.erase(plan.begin() + 1);
-  if (v.has("embed_unit") || v.has("embed_options") || v.has("via_forward_with") || v.has("id_out_of_range")) {
+  if (v.has("embed_unit") || v.has("embed_options") || v.has("via_forward_with") || v.has("id_out_of_range") ||
+      v.has("tied")) {
     plan.push_back({"embed.weight", {0, 1}});
   }
   if (v.has("qk_norm")) plan.push_back(fsdp::partial_gradient_rule("blocks.*.qk_w"));
@@ -198,23 +205,26 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
   for (int step = 0; step < kSteps; ++step) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
     const torch::Tensor ids = torch::randint(id_low, kVocab, {kGlobalBatch, kTokens}, gen);
-    const torch::Tensor y = torch::randint(kClasses, {kGlobalBatch}, gen);
+    const torch::Tensor y = torch::randint(local->classes(), {kGlobalBatch}, gen);
     if (v.has("eval_first") && step == 0) {
       torch::NoGradGuard no_grad;  // every rank the same rows: passes the input check
       sharded.forward(ids.narrow(0, 0, per));
     }
     torch::Tensor my_ids = ids.narrow(0, begin, per).clone(), my_y = y.narrow(0, begin, per).clone();
-    if (v.has("label_noise") && tp->rank() == 1) my_y[0] = (my_y[0].item<int64_t>() + 1) % kClasses;
+    if (v.has("label_noise") && tp->rank() == 1) my_y[0] = (my_y[0].item<int64_t>() + 1) % local->classes();
     if (v.has("id_out_of_range") && dp->rank() == 0) my_ids[0][0] = kVocab;
     local_opt.zero_grad();
     torch::Tensor l;
-    if (!v.has("embed_options")) {
+    if (!local->embed->options.scale_grad_by_freq()) {
       l = local->loss(local->forward(ids), y);
       l.backward();
     } else {
       // scale_grad_by_freq counts ids in the batch one process sees, so data parallelism (fsdp's,
       // as DDP's) scales by each slice's counts: the local oracle is the same batch accumulated
-      // slice by slice, as many slices as data-parallel ranks.
+      // slice by slice, as many slices as data-parallel ranks. (Not with a tied head: max_norm's
+      // renormalization, which fsdp merges over the ranks before the next operator reads the
+      // weight, is the whole batch's, so the head of a slice sees rows the other slices
+      // renormalized; slice by slice it would not.)
       const int64_t slices = dp->world_size(), rows = kGlobalBatch / slices;
       l = torch::zeros({});
       for (int64_t s = 0; s < slices; ++s) {
@@ -259,7 +269,7 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
     ++compared;
   }
   return {{"rank", mesh->rank()}, {"loss_diff", loss_diff}, {"norm_rel_diff", norm_diff}, {"param_diff", param_diff},
-          {"compared", compared}};
+          {"compared", compared}, {"parameters", static_cast<int>(local->named_parameters().size())}};
 }
 
 }  // namespace
