@@ -274,7 +274,8 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& ta
 }
 
 std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan(const GPTConfig& cfg, int64_t tp) {
-  std::vector<fsdp::TensorParallelRule> plan = {{"tok_emb.weight", {0, 1}}};  // the tied head with it
+  // The tied head with it; padded when the TP size does not divide the vocabulary (GPT-2's 50257).
+  std::vector<fsdp::TensorParallelRule> plan = {fsdp::vocab_parallel_rule("tok_emb.weight")};
   auto add = [&](const std::vector<fsdp::TensorParallelRule>& rules) { plan.insert(plan.end(), rules.begin(), rules.end()); };
   const int64_t kv_heads = cfg.n_kv_head == 0 ? cfg.n_head : cfg.n_kv_head;
   if (kv_heads == cfg.n_head) {

@@ -105,7 +105,7 @@ struct GPTImpl : torch::nn::Module {
   // torch::manual_seed(...) before constructing to get reproducible weights.
   explicit GPTImpl(const GPTConfig& cfg);
   // idx: int64 [B, T] with T <= block_size -> logits [B, T, vocab_size] (under tensor
-  // parallelism [B, T, vocab_size / TP]: this rank's classes).
+  // parallelism [B, T, vocab_size / TP]: this rank's classes, rounded up with a padded vocabulary).
   torch::Tensor forward(const torch::Tensor& idx);
   // The mean cross entropy of forward()'s logits: lm_loss, or its vocabulary-parallel form when
   // the plan split the vocabulary (no rank gathers the whole logits).
@@ -124,7 +124,9 @@ TORCH_MODULE(GPT);
 // and tied head) split by rows; q/k/v by heads and the MLP's first layer by features
 // (column-parallel); the attention's and MLP's output projections by input features
 // (row-parallel). LayerNorms, biases of row-parallel layers and the position embedding replicated.
-// The TP size must divide n_head and vocab_size. Grouped-query attention: q split by heads; kv
+// The TP size must divide n_head; a vocabulary it does not divide is padded (vocab_parallel_rule:
+// the logits of the last rank end with padding columns, which the loss leaves out and
+// fsdp::gather_vocab_parallel_logits drops). Grouped-query attention: q split by heads; kv
 // split by heads when the TP size divides n_kv_head, else (fewer KV heads than TP ranks, the TP
 // size a multiple of them) replicated, each rank using the KV heads of its query heads, its
 // gradient a part of the whole one (fsdp::partial_gradient_rule). Throws std::invalid_argument

@@ -25,6 +25,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "T5 (sequence to sequence: reverse the text): t5-tiny, t5-small, t5-large, t5-3b, t5-11b (--plan); "
                  "DHEN-like recommendation model (synthetic clicks): dhen-tiny, dhen-small, dhen-large");
   app.add_option("--block-size", c.block_size, "sequence length (default: the preset's)");
+  app.add_option("--vocab-size", c.vocab_size, "GPT: the embedding's and head's rows, at least the corpus's (GPT-2's "
+                 "50257; under --tp a size the TP size does not divide is padded to a multiple, saved unpadded)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--n-kv-head", c.n_kv_head, "GPT: grouped-query attention with this many key/value heads, each shared "
                  "by n_head / N query heads (default: as many as query heads); under --tp, a TP size that divides N splits "
                  "them, one that N divides replicates them")->check(CLI::NonNegativeNumber);
@@ -178,6 +181,13 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
 models::GPTConfig model_config(const Config& c, const models::TokenSource& data) {
   auto cfg = models::GPTConfig::preset(c.model);
   cfg.vocab_size = std::max<int64_t>(cfg.vocab_size, data.vocab_size());
+  if (c.vocab_size > 0) {
+    if (c.vocab_size < data.vocab_size()) {
+      throw std::invalid_argument("--vocab-size " + std::to_string(c.vocab_size) + " is smaller than the corpus's " +
+                                  std::to_string(data.vocab_size()) + " token ids: give at least that");
+    }
+    cfg.vocab_size = c.vocab_size;
+  }
   if (c.block_size > 0) cfg.block_size = c.block_size;
   if (c.n_kv_head > 0) cfg.n_kv_head = c.n_kv_head;
   cfg.fused_attention = c.attention == "fused";

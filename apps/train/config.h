@@ -23,7 +23,8 @@ struct Config {
   std::string data = models::kDefaultCorpus;
   std::string model = "default";
   int64_t block_size = 0;  // 0: the preset's
-  int64_t n_kv_head = 0;   // GPT: grouped-query attention's key/value heads (0: the preset's, n_head)
+  int64_t n_kv_head = 0;
+  int64_t vocab_size = 0;  // GPT: the embedding's rows (0: the preset's, or the corpus's if more)   // GPT: grouped-query attention's key/value heads (0: the preset's, n_head)
   double lr = 2e-3;
   double weight_decay = 0.1;
   double clip = 1.0;

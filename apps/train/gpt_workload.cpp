@@ -52,6 +52,7 @@ class GPTWorkload final : public Workload {
   int64_t blocks() const override { return cfg_.n_layer; }
   // Text when the corpus is bytes (a .u16 corpus holds ids of a tokenizer fsdp-train does not know).
   int64_t text_context() const override { return data_.vocab_size() == 256 ? cfg_.block_size : 0; }
+  int64_t vocabulary() const override { return cfg_.vocab_size; }
   double flops_scale(int64_t layers) const override {
     auto per_token = [&](double L) {
       const double d = static_cast<double>(cfg_.d_model);
@@ -76,6 +77,9 @@ int64_t default_global_batch(const std::string& model) { return model.rfind("dhe
 std::unique_ptr<Workload> make_workload(const Config& c) {
   if (c.n_kv_head > 0 && (c.model.rfind("t5-", 0) == 0 || c.model.rfind("dhen-", 0) == 0)) {
     throw std::invalid_argument("--n-kv-head: grouped-query attention is the GPT's; " + c.model + " has none. Drop it");
+  }
+  if (c.vocab_size > 0 && (c.model.rfind("t5-", 0) == 0 || c.model.rfind("dhen-", 0) == 0)) {
+    throw std::invalid_argument("--vocab-size sets the GPT's vocabulary; " + c.model + " has its own. Drop it");
   }
   if (c.model.rfind("t5-", 0) == 0) return t5_workload(c);
   if (c.model.rfind("dhen-", 0) == 0) return dhen_workload(c);

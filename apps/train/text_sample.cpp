@@ -63,7 +63,11 @@ std::optional<TextSample> sample_text(const Config& c, const Workload& workload,
     auto sharded_forward = [&](const torch::Tensor& ids) {
       torch::Tensor logits = last(trainee.forward(
           [&] { return workload.forward(model, Batch{{ids.to(device)}, {}}, trainee.input_dtype()); }));
-      if (tp) logits = fsdp::gather_from_tensor_parallel_region(logits, tp, -1);
+      if (tp) {
+        logits = fsdp::gather_from_tensor_parallel_region(logits, tp, -1);
+        // A padded vocabulary's padding classes are none of the model's.
+        if (workload.vocabulary() > 0 && logits.size(-1) > workload.vocabulary()) logits = logits.narrow(-1, 0, workload.vocabulary());
+      }
       logits = logits.contiguous();
       if (W > 1) {
         // Every rank samples from rank 0's logits, so every rank feeds the same tokens back.

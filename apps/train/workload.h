@@ -91,6 +91,9 @@ class Workload {
   // its window in tokens, the model's forward returning logits [B, T, V] of each next token.
   // 0: this workload writes no text (T5, the DHEN-like model, a GPT trained on token ids).
   virtual int64_t text_context() const { return 0; }
+  // The classes of those logits (the vocabulary); under --tp the gathered logits of a padded
+  // vocabulary hold more, which the sample leaves out.
+  virtual int64_t vocabulary() const { return 0; }
   // The parameters outside fsdp that each rank holds its own part of (the DHEN's rows), which
   // clipping's global norm sums over the ranks. Empty for models fsdp holds whole.
   virtual std::vector<torch::Tensor> model_parallel_parameters(torch::nn::Module& model) const {

@@ -76,6 +76,13 @@ class TensorParallel {
 struct TensorParallelShard {
   int64_t dim = 0;
   int64_t parts = 1;
+  // A vocabulary the TP size does not divide (GPT-2's 50257 rows at TP 4): padded with zero rows
+  // to the next multiple of the TP size, as Megatron-LM's make-vocab-size-divisible-by, the last
+  // rank holding them (vocab_parallel_rule). Only along dimension 0 in one part. The padding is
+  // invisible outside: the placement's full_shape, checkpoints, state dicts and export keep the
+  // original shape; the embedding never looks the padding rows up and the cross entropy leaves
+  // their logits out, so they stay zero.
+  bool pad = false;
 };
 
 // One rule of a plan: parameters whose name matches `pattern` ('*' matches any run of characters
@@ -91,6 +98,9 @@ struct TensorParallelRule {
 std::vector<TensorParallelRule> column_parallel_rule(const std::string& module_pattern, int64_t parts = 1,
                                                      bool bias = true);
 std::vector<TensorParallelRule> row_parallel_rule(const std::string& module_pattern);
+// An embedding (and the head tied to it) split by rows over the vocabulary, padded when the TP size
+// does not divide it (TensorParallelShard::pad).
+TensorParallelRule vocab_parallel_rule(const std::string& param_pattern);
 // A replicated parameter (every TP rank holds it whole) that each TP rank applies to its own part
 // of split activations: a QK-norm's weight over this rank's heads, a scale per head indexed by the
 // local heads, key/value projections replicated because there are fewer KV heads than TP ranks.
@@ -113,6 +123,9 @@ struct TensorParallelPlacement {
   TensorParallelShard shard;
   std::vector<int64_t> full_shape;
   std::shared_ptr<TensorParallel> tp;
+  // The split dimension's size with its padding (shard.pad): full_shape[dim] rounded up to a
+  // multiple of the TP size; full_shape[dim] without padding.
+  int64_t split_size() const;
 };
 std::optional<TensorParallelPlacement> tensor_parallel_placement(const at::Tensor& param);
 // The TP group a partial_gradient_rule named `param` for (by TensorImpl), null for any other.
@@ -151,6 +164,11 @@ at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const std::sh
 // gathers the parts' gradients.
 at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp,
                                              int64_t dim = -1);
+// The whole logits [..., V] from logits split by a vocabulary-split `weight` (column_parallel's
+// output with the embedding or head weight): gathered over the TP group, without a padded
+// vocabulary's padding classes. For sampling, accuracy, a z-loss. The logits themselves when
+// `weight` is not split. Collective over the TP group.
+at::Tensor gather_vocab_parallel_logits(const at::Tensor& logits, const at::Tensor& weight);
 
 // The layers' forward. Each is a plain call when its weight is not split (or TP has one rank).
 // Column-parallel: x is whole (replicated); the output holds this rank's output features. Backward

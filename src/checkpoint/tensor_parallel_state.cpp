@@ -43,7 +43,11 @@ void read_part(const std::function<void(int64_t, at::Tensor)>& read_range, const
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= whole[d];
   for (size_t d = dim + 1; d < whole.size(); ++d) inner *= whole[d];
-  const int64_t n = whole[dim], local_n = n / size, slice = n / shard.parts / size, chunk = n / shard.parts;
+  // A padded vocabulary (shard.pad: dimension 0, one part) splits n rounded up to a multiple of
+  // `size`; its rows from the saved n on are the padding, zeros.
+  const int64_t saved_n = whole[dim];
+  const int64_t n = shard.pad ? (saved_n + size - 1) / size * size : saved_n;
+  const int64_t local_n = n / size, slice = n / shard.parts / size, chunk = n / shard.parts;
   const int64_t end = begin + dest.numel();
   int64_t at = begin;
   while (at < end) {
@@ -51,9 +55,14 @@ void read_part(const std::function<void(int64_t, at::Tensor)>& read_range, const
     const int64_t q = within / inner, i = within % inner;
     const int64_t p = q / slice, s = q % slice;
     // From (q, i) to the end of this rank's slice of chunk p, in this outer row.
-    const int64_t run = std::min(end - at, (slice - s) * inner - i);
-    const int64_t from = (o * n + p * chunk + rank * slice + s) * inner + i;
-    read_range(from, dest.narrow(0, at - begin, run));
+    int64_t run = std::min(end - at, (slice - s) * inner - i);
+    const int64_t row = p * chunk + rank * slice + s;
+    if (row >= saved_n) {
+      dest.narrow(0, at - begin, run).zero_();  // padding
+    } else {
+      run = std::min(run, (saved_n - row) * inner - i);  // up to the padding
+      read_range((o * saved_n + row) * inner + i, dest.narrow(0, at - begin, run));
+    }
     at += run;
   }
 }

@@ -9,6 +9,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "tensor_parallel/layer_scope.h"
@@ -106,9 +107,12 @@ enum class CeReduction : int64_t { MEAN, SUM, NONE };
 
 struct SplitCrossEntropy : torch::autograd::Function<SplitCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t begin,
-                            int64_t tp_key, std::optional<int64_t> ignore, double smoothing, int64_t reduction) {
+                            int64_t tp_key, std::optional<int64_t> ignore, double smoothing, int64_t reduction,
+                            int64_t classes) {
+    // logits: this rank's classes [begin, begin + local) of `classes` (without the padding rows of
+    // a padded vocabulary, which vocab_parallel_cross_entropy leaves out).
     const auto tp = by_key(tp_key);
-    const int64_t local = logits.size(-1), classes = local * tp->size();
+    const int64_t local = logits.size(-1);
     // Two [N, V / tp] fp32 arrays at most (the logits' fp32 copy and the exponentials, which become
     // the softmax in place): what the memory plan counts (models::GPTConfig::head_activation_bytes).
     at::Tensor x = logits.reshape({-1, local}).to(at::kFloat);
@@ -168,7 +172,7 @@ struct SplitCrossEntropy : torch::autograd::Function<SplitCrossEntropy> {
     g.mul_(saved[3].unsqueeze(1));  // ignored rows: no gradient
     const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
     return {g.to(dtype).view(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -317,7 +321,7 @@ at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x) {
 // the weight itself: fsdp gathers a unit at the first operator that reads it, so before the lookup
 // the weight may still be this rank's 1-D shard (of another length).
 std::pair<int64_t, int64_t> rows_of(const TensorParallelPlacement& p) {
-  const int64_t rows = p.full_shape[0] / p.tp->size();
+  const int64_t rows = p.split_size() / p.tp->size();  // with a padded vocabulary's padding
   return {p.tp->rank() * rows, rows};
 }
 
@@ -398,17 +402,28 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
     return reduction == CeReduction::NONE ? out.view(targets.sizes()) : out;
   }
   TORCH_CHECK(p->shard.parts == 1 && p->shard.dim == 0, "fsdp: vocab_parallel_cross_entropy needs a weight split by rows");
-  const int64_t classes = p->full_shape[0];
-  TORCH_CHECK(logits.size(-1) * p->tp->size() == classes, "fsdp::vocab_parallel_cross_entropy: the logits hold ",
-              logits.size(-1), " classes on each of the ", p->tp->size(), " TP ranks, and the weight given was split from ",
-              classes, " rows: pass the weight the logits came from (column_parallel's, split by rows)");
+  const int64_t classes = p->full_shape[0], per_rank = p->split_size() / p->tp->size();
+  TORCH_CHECK(logits.size(-1) == per_rank, "fsdp::vocab_parallel_cross_entropy: the logits hold ", logits.size(-1),
+              " classes on each of the ", p->tp->size(), " TP ranks, and the weight given was split from ", classes,
+              " rows (", per_rank, " a rank): pass the weight the logits came from (column_parallel's, split by rows)");
   // A target outside the classes would be "on no rank" and count as a logit of 0, silently; one that
   // differs across the TP ranks (per-rank label noise) mixes two batches' losses: both refused on
   // every rank (the targets gathered over the job), unless it is the ignored index.
   detail::check_ids_across_tensor_parallel(*p->tp, targets, classes, options.ignore_index,
                                            "the targets of fsdp::vocab_parallel_cross_entropy");
-  return SplitCrossEntropy::apply(logits, targets, p->tp->rank() * logits.size(-1), key_of(p->tp), options.ignore_index,
-                                  options.label_smoothing, static_cast<int64_t>(reduction));
+  // A padded vocabulary's padding classes (the last rank's last columns) are no classes: left out
+  // (their gradient is zero, so the padding rows stay zero).
+  const int64_t begin = p->tp->rank() * per_rank, valid = std::min(per_rank, classes - begin);
+  const at::Tensor mine = valid == per_rank ? logits : logits.narrow(-1, 0, valid);
+  return SplitCrossEntropy::apply(mine, targets, begin, key_of(p->tp), options.ignore_index, options.label_smoothing,
+                                  static_cast<int64_t>(reduction), classes);
+}
+
+at::Tensor gather_vocab_parallel_logits(const at::Tensor& logits, const at::Tensor& weight) {
+  const auto p = active(weight);
+  if (!p) return logits;
+  const at::Tensor whole = gather_from_tensor_parallel_region(logits, p->tp, -1);
+  return whole.size(-1) == p->full_shape[0] ? whole : whole.narrow(-1, 0, p->full_shape[0]);
 }
 
 }  // namespace fsdp

@@ -76,13 +76,33 @@ std::vector<TensorParallelRule> row_parallel_rule(const std::string& module_patt
 
 TensorParallelRule partial_gradient_rule(const std::string& param_pattern) { return {param_pattern, {}, true}; }
 
+TensorParallelRule vocab_parallel_rule(const std::string& param_pattern) { return {param_pattern, {0, 1, true}}; }
+
+namespace {
+// `n` rounded up to a multiple of `size` when padding is asked for.
+int64_t padded(int64_t n, const TensorParallelShard& shard, int size) {
+  return shard.pad ? (n + size - 1) / size * size : n;
+}
+}  // namespace
+
+int64_t TensorParallelPlacement::split_size() const {
+  return padded(full_shape.at(static_cast<size_t>(shard.dim)), shard, tp ? tp->size() : 1);
+}
+
 at::Tensor tensor_parallel_part(const at::Tensor& whole, const TensorParallelShard& shard, int rank, int size) {
   const int64_t dim = shard.dim < 0 ? shard.dim + whole.dim() : shard.dim;
   TORCH_CHECK(dim >= 0 && dim < whole.dim(), "fsdp: a tensor-parallel split along dimension ", shard.dim,
               " of a tensor of shape ", shape_text(whole.sizes()));
-  const int64_t n = whole.size(dim);
+  const int64_t n = padded(whole.size(dim), shard, size);
   TORCH_CHECK(shard.parts >= 1 && n % (shard.parts * size) == 0, "fsdp: dimension ", dim, " of shape ",
               shape_text(whole.sizes()), " does not split into ", shard.parts, " parts of ", size, " ranks");
+  if (n != whole.size(dim)) {
+    // The padding rows: zeros after the whole tensor's, on the last rank(s).
+    std::vector<int64_t> extra = whole.sizes().vec();
+    extra[static_cast<size_t>(dim)] = n - whole.size(dim);
+    return tensor_parallel_part(at::cat({whole, at::zeros(extra, whole.options())}, dim),
+                                TensorParallelShard{shard.dim, shard.parts, false}, rank, size);
+  }
   const int64_t part = n / shard.parts, slice = part / size;
   std::vector<at::Tensor> mine;
   for (int64_t p = 0; p < shard.parts; ++p) mine.push_back(whole.narrow(dim, p * part + rank * slice, slice));
@@ -106,7 +126,10 @@ at::Tensor tensor_parallel_whole(const at::Tensor& part, const TensorParallelPla
   std::vector<at::Tensor> pieces;
   for (int64_t p = 0; p < parts; ++p)
     for (int r = 0; r < tp.size(); ++r) pieces.push_back(byrank[r].narrow(dim, p * slice, slice));
-  return at::cat(pieces, dim);
+  const at::Tensor whole = at::cat(pieces, dim);
+  // Without the padding rows (shard.pad): the tensor the model was built with.
+  const int64_t n = placement.full_shape.at(static_cast<size_t>(dim));
+  return whole.size(dim) == n ? whole : whole.narrow(dim, 0, n).contiguous();
 }
 
 void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>& tp,
@@ -149,7 +172,19 @@ void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>
     }
     const TensorParallelShard& shard = plan[rule].shard;
     const int64_t dim = shard.dim < 0 ? shard.dim + p.dim() : shard.dim;
-    if (dim < 0 || dim >= p.dim() || shard.parts < 1 || p.size(dim) % (shard.parts * tp->size()) != 0) {
+    if (shard.pad && (dim != 0 || shard.parts != 1)) {
+      throw std::invalid_argument("fsdp::parallelize: rule '" + plan[rule].pattern + "' pads parameter '" + name +
+                                  "' along dimension " + std::to_string(shard.dim) + " in " + std::to_string(shard.parts) +
+                                  " parts: padding is for a vocabulary split by rows (dimension 0, one part: "
+                                  "fsdp::vocab_parallel_rule)");
+    }
+    if (shard.pad && p.dim() >= 1 && padded(p.size(0), shard, tp->size()) / tp->size() * (tp->size() - 1) >= p.size(0)) {
+      throw std::invalid_argument("fsdp::parallelize: parameter '" + name + "' has " + std::to_string(p.size(0)) +
+                                  " rows: padded over " + std::to_string(tp->size()) +
+                                  " TP ranks, the last would hold padding only; use a smaller TP size");
+    }
+    if (dim < 0 || dim >= p.dim() || shard.parts < 1 ||
+        padded(p.size(dim), shard, tp->size()) % (shard.parts * tp->size()) != 0) {
       throw std::invalid_argument("fsdp::parallelize: rule '" + plan[rule].pattern + "' splits parameter '" + name +
                                   "' of shape " + shape_text(p.sizes()) + " along dimension " +
                                   std::to_string(shard.dim) + " into " + std::to_string(shard.parts) + " part(s) of " +
@@ -161,7 +196,7 @@ void parallelize(torch::nn::Module& model, const std::shared_ptr<TensorParallel>
                                                      "fsdp::parallelize before wrapping)")
                                        : std::string()));
     }
-    TensorParallelPlacement placement{{dim, shard.parts}, p.sizes().vec(), tp};
+    TensorParallelPlacement placement{{dim, shard.parts, shard.pad}, p.sizes().vec(), tp};
     if (tp->size() > 1) p.set_data(tensor_parallel_part(p, placement.shard, tp->rank(), tp->size()));
     std::lock_guard<std::mutex> lock(registry_mutex);
     registry().insert_or_assign(p.unsafeGetTensorImpl(),
