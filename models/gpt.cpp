@@ -63,7 +63,8 @@ int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t
   // arrays at once (the softmax and, in forward, the fp32 logits or, in backward, the gradient)
   // and, in a half compute dtype, the logits or their gradient beside them.
   if (tensor_parallel > 1) {
-    return tokens * d_model * element_size + tokens * (vocab_size / tensor_parallel) * (8 + (element_size == 4 ? 0 : element_size));
+    const int64_t per_rank = (vocab_size + tensor_parallel - 1) / tensor_parallel;  // a padded vocabulary rounds up
+    return tokens * d_model * element_size + tokens * per_rank * (8 + (element_size == 4 ? 0 : element_size));
   }
   return (tokens * d_model + 3 * tokens * vocab_size) * element_size;
 }
