@@ -8,7 +8,7 @@
 //   - after every synchronized backward, that each replicated parameter's gradient agrees across
 //     the TP group: every TP rank computes the same gradient for a replicated parameter unless it
 //     was applied to split activations (a QK-norm over this rank's heads) without a
-//     partial_gradient_rule, or the ranks' inputs differ. One checksum all-reduce per backward.
+//     partial_gradient_rule, or the ranks' inputs differ. One checksum all-gather per backward.
 #include <c10/core/GradMode.h>
 
 #include "engine/runtime.h"
