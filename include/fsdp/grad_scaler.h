@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
@@ -58,12 +59,16 @@ class ShardedGradScaler {
   bool found_inf() const { return found_inf_; }
 
  private:
+  void check_tensor_parallel_mesh(torch::optim::Optimizer& optimizer) const;
   std::shared_ptr<Mesh> mesh_;
   GradScalerOptions options_;
   double scale_;
   int64_t good_steps_ = 0;
   bool unscaled_ = false;
   bool found_inf_ = false;
+  // The optimizers whose parameters were checked against mesh_ (none split for TP over a larger
+  // job) at their first unscale_: each parameter is looked up once, not at every step.
+  std::unordered_set<const torch::optim::Optimizer*> mesh_checked_;
 };
 
 }  // namespace fsdp

@@ -56,16 +56,16 @@ Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& opt
   }
   tp_split_.resize(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
+    // Which parameters are split for TP (checked at each forward touch) and which have partial
+    // gradients (summed over TP before the data-parallel reduction).
     const auto& params = units_[u]->handle().params();
+    std::vector<size_t> partial;
     for (size_t i = 0; i < params.size(); ++i) {
+      if (tensor_parallel_partial_gradient(params[i])) partial.push_back(i);
       const auto placement = tensor_parallel_placement(params[i]);
       if (!placement || placement->tp->size() == 1) continue;
       tp_split_[u].resize(params.size(), false);
       tp_split_[u][i] = true;
-    }
-    std::vector<size_t> partial;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (tensor_parallel_partial_gradient(params[i])) partial.push_back(i);
     }
     if (!partial.empty() && options_.tensor_parallel) {
       units_[u]->reduction().set_tensor_parallel_sum(options_.tensor_parallel.get(), std::move(partial));

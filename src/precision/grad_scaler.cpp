@@ -20,16 +20,7 @@ ShardedGradScaler::ShardedGradScaler(std::shared_ptr<Mesh> mesh, GradScalerOptio
 
 at::Tensor ShardedGradScaler::scale(const at::Tensor& loss) const { return loss * scale_; }
 
-void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
-  if (unscaled_) throw std::logic_error("fsdp: ShardedGradScaler::unscale_ called twice in one step; call update() after step()");
-  at::NoGradGuard no_grad;
-  const double inv = 1.0 / scale_;
-  // Overflow flags stay on the gradients' device until the end: one host sync per step, not per
-  // tensor.
-  at::Tensor local_inf;
-  // Each gradient once: an optimizer built from model->parameters() lists a tied weight twice, and
-  // dividing its gradient twice would unscale it by scale².
-  std::unordered_set<const c10::TensorImpl*> seen;
+void ShardedGradScaler::check_tensor_parallel_mesh(torch::optim::Optimizer& optimizer) const {
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       // A parameter split for tensor parallelism is trained by a job larger than the
@@ -46,6 +37,22 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
             "fsdp::ShardedGradScaler(tp->world()), as the Checkpointer takes it.");
       }
     }
+  }
+}
+
+void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (unscaled_) throw std::logic_error("fsdp: ShardedGradScaler::unscale_ called twice in one step; call update() after step()");
+  at::NoGradGuard no_grad;
+  const double inv = 1.0 / scale_;
+  // Overflow flags stay on the gradients' device until the end: one host sync per step, not per
+  // tensor.
+  at::Tensor local_inf;
+  // Each gradient once: an optimizer built from model->parameters() lists a tied weight twice, and
+  // dividing its gradient twice would unscale it by scale².
+  std::unordered_set<const c10::TensorImpl*> seen;
+  if (!mesh_checked_.count(&optimizer)) {
+    check_tensor_parallel_mesh(optimizer);
+    mesh_checked_.insert(&optimizer);
   }
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
