@@ -37,8 +37,11 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   // very tensor (the reshape is a view), counted above.
   const int64_t tp = std::max<int64_t>(1, tensor_parallel), heads = n_head / tp;
   const int64_t attention = fused_attention ? batch * heads * T * 4 / element_size : batch * heads * T * T;
+  // Sequence parallelism: the activations between the split layers are this rank's chunk of the
+  // sequence (1 / tp), but the split layers' inputs are gathered whole, and autograd keeps those.
+  const int64_t chunk = sequence_parallel && tp > 1 ? tp : 1;
   // Dropout keeps a one-byte mask of each of its two outputs.
-  const int64_t masks = dropout > 0 ? (2 * tokens * d + element_size - 1) / element_size : 0;
+  const int64_t masks = dropout > 0 ? (2 * tokens * d / chunk + element_size - 1) / element_size : 0;
   // Under tensor parallelism qkv's output, the attention's output, fc's and gelu's (12 of the 16)
   // are split; ln1's, h, ln2's and the block's output are whole on every rank.
   // Grouped-query attention: q's output 1 and the keys and values picked for each query head 2
@@ -46,13 +49,19 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   // divides n_kv_head, whole on every rank when the KV heads are replicated).
   const int64_t kv = n_kv_head == 0 ? n_head : n_kv_head;
   const int64_t kv_out = kv == n_head ? 0 : 2 * tokens * d * kv / n_head / (kv % tp == 0 ? tp : 1);
-  const int64_t per_block = 4 * tokens * d + 12 * tokens * d / tp + kv_out + attention + masks;
-  // The embeddings' sum (the first block's input), tokens x d, and the head's peak.
+  // Under sequence parallelism ln1's and ln2's outputs are kept as gathered (whole, the split
+  // layers' inputs), h and the block's output as chunks; replicated KV heads gather ln1's output a
+  // second time for kv.
+  const int64_t whole = chunk == 1 ? 4 * tokens * d
+                                   : 2 * tokens * d + 2 * tokens * d / chunk + (kv != n_head && kv % tp != 0 ? tokens * d : 0);
+  const int64_t per_block = whole + 12 * tokens * d / tp + kv_out + attention + masks;
+  // The embeddings' sum (the first block's input), tokens x d (a chunk of it under sequence
+  // parallelism), and the head's peak (ln_f's output gathered whole for the head).
   const int64_t head = head_activation_bytes(batch, seq_len, element_size);
   // Checkpointed blocks keep only their input (the previous block's output, counted already), and
   // one block's activations exist again while backward recomputes it.
-  if (checkpointed) return ((n_layer + 1) * tokens * d + per_block) * element_size + head;
-  return (n_layer * per_block + tokens * d) * element_size + head;
+  if (checkpointed) return ((n_layer + 1) * tokens * d / chunk + per_block) * element_size + head;
+  return (n_layer * per_block + tokens * d / chunk) * element_size + head;
 }
 
 int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
@@ -114,10 +123,12 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head
 // ranks: then x enters it through copy_to (its gradient there is this rank's heads' part) and kv's
 // own gradient is a part too (gpt_tensor_parallel_plan declares it partial).
 torch::Tensor CausalSelfAttentionImpl::grouped_query(const torch::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), hd = x.size(2) / n_head, group = n_head / n_kv_head;
+  const int64_t hd = x.size(2) / n_head, group = n_head / n_kv_head;
   const auto q_split = fsdp::tensor_parallel_placement(q->weight);
   const bool kv_split = fsdp::tensor_parallel_placement(kv->weight).has_value();
   const torch::Tensor q_out = fsdp::column_parallel(q, x);
+  // The whole sequence (under sequence parallelism x is this rank's chunk of it).
+  const int64_t B = q_out.size(0), T = q_out.size(1);
   const int64_t H = q_out.size(-1) / hd;
   TORCH_CHECK(H * hd == q_out.size(-1) && H > 0, "GPT: tensor parallelism splits a query head: the TP size must divide n_head (",
               n_head, ")");
@@ -128,7 +139,8 @@ torch::Tensor CausalSelfAttentionImpl::grouped_query(const torch::Tensor& x) {
     kv_out = fsdp::column_parallel(kv, x);
     kv_first = kv_split ? tp_rank * (kv_out.size(-1) / 2 / hd) : 0;
   } else {
-    kv_out = kv(fsdp::copy_to_tensor_parallel_region(x, q_split->tp));
+    kv_out = kv(q_split->tp->sequence_parallel() ? fsdp::gather_from_sequence_parallel_region(x, q_split->tp)
+                                                  : fsdp::copy_to_tensor_parallel_region(x, q_split->tp));
   }
   const int64_t KV = kv_out.size(-1) / 2 / hd;
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.reshape({B, T, n, hd}).transpose(1, 2); };
@@ -162,11 +174,12 @@ torch::Tensor CausalSelfAttentionImpl::attend(const torch::Tensor& q, const torc
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   if (!qkv) return grouped_query(x);
-  const int64_t B = x.size(0), T = x.size(1);
   const int64_t hd = x.size(2) / n_head;
   // qkv is column-parallel under tensor parallelism (gpt_tensor_parallel_plan): each rank holds its
-  // heads' rows of q, k and v, so C is this rank's share of d_model and H its heads.
+  // heads' rows of q, k and v, so C is this rank's share of d_model and H its heads; its output
+  // covers the whole sequence (under sequence parallelism x is this rank's chunk of it).
   const torch::Tensor qkv_out = fsdp::column_parallel(qkv, x);
+  const int64_t B = qkv_out.size(0), T = qkv_out.size(1);
   const int64_t C = qkv_out.size(-1) / 3, H = C / hd;
   TORCH_CHECK(H * hd == C && H > 0, "GPT: tensor parallelism splits a head (", C, " of the ", x.size(2),
               " features per rank, heads of ", hd, "): the TP size must divide n_head (", n_head, ")");
@@ -195,7 +208,14 @@ BlockImpl::BlockImpl(int64_t d_model, int64_t n_head, bool fused_attention, doub
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
-  auto drop = [&](const torch::Tensor& t) { return dropout > 0 ? torch::dropout(t, dropout, is_training()) : t; };
+  // Under sequence parallelism the block's outputs are this rank's chunk of the sequence: masks
+  // from this TP rank's own stream. Otherwise they are whole on every TP rank: the default
+  // generator, seeded alike across the TP group (fsdp::seed_tensor_parallel_rng).
+  auto drop = [&](const torch::Tensor& t) {
+    if (dropout == 0) return t;
+    fsdp::TensorParallelRngScope chunk(fsdp::sequence_parallel_of(mlp->fc->weight));
+    return torch::dropout(t, dropout, is_training());
+  };
   auto h = x + drop(attn(ln1(x)));
   return h + drop(mlp(ln2(h)));
 }
@@ -262,6 +282,8 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
   // A vocabulary-parallel lookup when the plan split tok_emb (tok_emb(idx) otherwise).
   auto x = fsdp::vocab_parallel_embedding(idx, tok_emb->weight) + pos_emb(pos);  // [B, T, d] + [T, d]
+  // Sequence parallelism: from here to the head each rank holds its chunk of the sequence.
+  if (auto sp = fsdp::sequence_parallel_of(tok_emb->weight)) x = fsdp::scatter_to_sequence_parallel_region(x, sp);
   for (size_t i = 0; i < blocks->size(); ++i) {
     BlockImpl* block = blocks[i]->as<BlockImpl>();
     // Recomputed in backward when fsdp::apply_activation_checkpointing marked the block.
@@ -296,6 +318,11 @@ std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan(const GPTConfig& 
   add(fsdp::row_parallel_rule("blocks.*.attn.proj"));
   add(fsdp::column_parallel_rule("blocks.*.mlp.fc"));
   add(fsdp::row_parallel_rule("blocks.*.mlp.proj"));
+  if (cfg.sequence_parallel && tp > 1) {
+    // Applied to this rank's chunk of the sequence: each rank's gradient is its chunk's share.
+    for (const char* p : {"blocks.*.ln1.*", "blocks.*.ln2.*", "ln_f.*", "blocks.*.attn.proj.bias", "blocks.*.mlp.proj.bias"})
+      plan.push_back(fsdp::partial_gradient_rule(p));
+  }
   return plan;
 }
 

@@ -34,6 +34,10 @@ struct GPTConfig {
   // (0: as many as n_head, multi-head attention with one fused q/k/v layer). Fewer than n_head:
   // q and kv are separate layers, "q" and "kv" (the keys' rows, then the values').
   int64_t n_kv_head = 0;
+  // Sequence parallelism under tensor parallelism (fsdp::TensorParallelOptions): the plan declares
+  // the norms and row-parallel biases partial, and activation_bytes counts the activations between
+  // the split layers as this rank's chunk of the sequence.
+  bool sequence_parallel = false;
 
   // Analytic parameter count of GPT(*this); the tied embedding/head weight is counted once.
   int64_t num_parameters() const;
@@ -130,7 +134,9 @@ TORCH_MODULE(GPT);
 // split by heads when the TP size divides n_kv_head, else (fewer KV heads than TP ranks, the TP
 // size a multiple of them) replicated, each rank using the KV heads of its query heads, its
 // gradient a part of the whole one (fsdp::partial_gradient_rule). Throws std::invalid_argument
-// for a TP size that fits neither.
+// for a TP size that fits neither. With cfg.sequence_parallel (the TensorParallel made with
+// sequence_parallel on) the LayerNorms and the row-parallel biases are partial_gradient_rule
+// parameters too: they see this rank's chunk of the sequence.
 std::vector<fsdp::TensorParallelRule> gpt_tensor_parallel_plan(const GPTConfig& cfg = {}, int64_t tp = 1);
 
 // Mean cross entropy over all positions. logits [B, T, V], targets int64 [B, T].

@@ -133,15 +133,16 @@ torch::Tensor T5AttentionImpl::position_bias(int64_t Tq, int64_t Tk, c10::Device
 }
 
 torch::Tensor T5AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& kv, const torch::Tensor& bias) {
-  const int64_t B = x.size(0), Tq = x.size(1), Tk = kv.size(1);
   // q, k and v are column-parallel under tensor parallelism (t5_tensor_parallel_plan): H is this
-  // rank's heads; o is row-parallel.
-  const torch::Tensor qx = fsdp::column_parallel(q, x);
+  // rank's heads; o is row-parallel. Their outputs cover the whole sequences (under sequence
+  // parallelism x and kv are this rank's chunks of them).
+  const torch::Tensor qx = fsdp::column_parallel(q, x), kx = fsdp::column_parallel(k, kv), vx = fsdp::column_parallel(v, kv);
+  const int64_t B = qx.size(0), Tq = qx.size(1), Tk = kx.size(1);
   const int64_t H = qx.size(-1) / d_kv;
   TORCH_CHECK(H * d_kv == qx.size(-1) && H > 0, "T5: tensor parallelism splits a head: the TP size must divide n_head (",
               n_head, ")");
   auto heads = [&](const torch::Tensor& t, int64_t T) { return t.reshape({B, T, H, d_kv}).transpose(1, 2); };
-  const torch::Tensor qh = heads(qx, Tq), kh = heads(fsdp::column_parallel(k, kv), Tk), vh = heads(fsdp::column_parallel(v, kv), Tk);
+  const torch::Tensor qh = heads(qx, Tq), kh = heads(kx, Tk), vh = heads(vx, Tk);
   std::optional<torch::Tensor> mask;
   if (bias.defined()) mask = bias.to(qh.scalar_type());
   // T5 does not scale its scores (the 1/sqrt(d_kv) is folded into its initialization).
@@ -157,7 +158,19 @@ T5FeedForwardImpl::T5FeedForwardImpl(const T5Config& c) {
 }
 
 torch::Tensor T5FeedForwardImpl::forward(const torch::Tensor& x) {
-  return fsdp::row_parallel(wo, drop(torch::relu(fsdp::column_parallel(wi, x))));
+  const torch::Tensor h = torch::relu(fsdp::column_parallel(wi, x));
+  // Under tensor parallelism h is this rank's features: masks from its own stream.
+  const auto split = fsdp::tensor_parallel_placement(wi->weight);
+  fsdp::TensorParallelRngScope features(split ? split->tp : nullptr);
+  return fsdp::row_parallel(wo, drop(h));
+}
+
+// A block's dropout on its sublayers' outputs: whole on every TP rank (the default generator,
+// seeded alike across the TP group), or under sequence parallelism this rank's chunk of the
+// sequence (its own stream).
+static torch::Tensor block_dropout(torch::nn::Dropout& drop, const T5FeedForward& ff, const torch::Tensor& t) {
+  fsdp::TensorParallelRngScope chunk(fsdp::sequence_parallel_of(ff->wi->weight));
+  return drop(t);
 }
 
 T5EncoderBlockImpl::T5EncoderBlockImpl(const T5Config& c, bool first) {
@@ -170,8 +183,8 @@ T5EncoderBlockImpl::T5EncoderBlockImpl(const T5Config& c, bool first) {
 
 torch::Tensor T5EncoderBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& bias) {
   const torch::Tensor n = ln_attn(x);
-  const torch::Tensor h = x + drop(attn(n, n, bias));
-  return h + drop(ff(ln_ff(h)));
+  const torch::Tensor h = x + block_dropout(drop, ff, attn(n, n, bias));
+  return h + block_dropout(drop, ff, ff(ln_ff(h)));
 }
 
 T5DecoderBlockImpl::T5DecoderBlockImpl(const T5Config& c, bool first) {
@@ -186,9 +199,9 @@ T5DecoderBlockImpl::T5DecoderBlockImpl(const T5Config& c, bool first) {
 
 torch::Tensor T5DecoderBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& memory, const torch::Tensor& self_bias) {
   const torch::Tensor n = ln_self(x);
-  torch::Tensor h = x + drop(self_attn(n, n, self_bias));
-  h = h + drop(cross_attn(ln_cross(h), memory, torch::Tensor()));  // no position bias across stacks
-  return h + drop(ff(ln_ff(h)));
+  torch::Tensor h = x + block_dropout(drop, ff, self_attn(n, n, self_bias));
+  h = h + block_dropout(drop, ff, cross_attn(ln_cross(h), memory, torch::Tensor()));  // no position bias across stacks
+  return h + block_dropout(drop, ff, ff(ln_ff(h)));
 }
 
 T5Impl::T5Impl(const T5Config& c) : cfg(c) {
@@ -228,6 +241,9 @@ torch::Tensor T5Impl::forward(const torch::Tensor& src, const torch::Tensor& tgt
   TORCH_CHECK(src.dim() == 2 && tgt_in.dim() == 2, "T5 expects src [B, Ts] and tgt_in [B, Tt]");
   const c10::Device dev = src.device();
   torch::Tensor x = fsdp::vocab_parallel_embedding(src, shared->weight);  // shared(src) when not split
+  // Sequence parallelism: between the split layers each rank holds its chunk of each sequence.
+  const auto sp = fsdp::sequence_parallel_of(shared->weight);
+  if (sp) x = fsdp::scatter_to_sequence_parallel_region(x, sp);
   const torch::Tensor enc_bias = encoder[0]->as<T5EncoderBlockImpl>()->attn->position_bias(src.size(1), src.size(1), dev);
   // Each block through fsdp::checkpointable: recomputed in backward when marked
   // (--activation-checkpointing), called plainly otherwise. The lambdas hold the blocks by value:
@@ -240,6 +256,7 @@ torch::Tensor T5Impl::forward(const torch::Tensor& src, const torch::Tensor& tgt
   }
   const torch::Tensor memory = enc_norm(x);
   torch::Tensor y = fsdp::vocab_parallel_embedding(tgt_in, shared->weight);
+  if (sp) y = fsdp::scatter_to_sequence_parallel_region(y, sp);
   const torch::Tensor dec_bias =
       decoder[0]->as<T5DecoderBlockImpl>()->self_attn->position_bias(tgt_in.size(1), tgt_in.size(1), dev);
   for (size_t i = 0; i < decoder->size(); ++i) {
@@ -257,12 +274,16 @@ torch::Tensor T5Impl::loss(const torch::Tensor& logits, const torch::Tensor& tar
   return fsdp::vocab_parallel_cross_entropy(logits, targets, shared->weight);
 }
 
-std::vector<fsdp::TensorParallelRule> t5_tensor_parallel_plan() {
+std::vector<fsdp::TensorParallelRule> t5_tensor_parallel_plan(bool sequence_parallel) {
   std::vector<fsdp::TensorParallelRule> plan = {{"shared.weight", {0, 1}}, {"**.relative_attention_bias.weight", {1, 1}}};
   for (const auto& rules : {fsdp::column_parallel_rule("**.q", 1, false), fsdp::column_parallel_rule("**.k", 1, false),
                             fsdp::column_parallel_rule("**.v", 1, false), fsdp::row_parallel_rule("**.o"),
                             fsdp::column_parallel_rule("**.wi", 1, false), fsdp::row_parallel_rule("**.wo")})
     plan.insert(plan.end(), rules.begin(), rules.end());
+  // Under sequence parallelism the norms see this rank's chunks of the sequences: partial gradients.
+  if (sequence_parallel) {
+    for (const char* p : {"**.ln_*.weight", "enc_norm.weight", "dec_norm.weight"}) plan.push_back(fsdp::partial_gradient_rule(p));
+  }
   return plan;
 }
 

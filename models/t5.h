@@ -116,7 +116,9 @@ TORCH_MODULE(T5);
 // output by vocabulary rows; q, k, v and wi column-parallel (by heads, by features); o and wo
 // row-parallel; each stack's bucket embedding by heads (its columns). The TP size must divide
 // n_head, d_ff and vocab_size.
-std::vector<fsdp::TensorParallelRule> t5_tensor_parallel_plan();
+// With `sequence_parallel` (the TensorParallel made with it on) the norms are
+// partial_gradient_rule parameters: they see this rank's chunks of the sequences.
+std::vector<fsdp::TensorParallelRule> t5_tensor_parallel_plan(bool sequence_parallel = false);
 
 // The seq2seq objective fsdp's tests and programs train T5 with: the decoder reproduces the source
 // sequence reversed, reading it shifted right behind token 0 (teacher forcing). Returns

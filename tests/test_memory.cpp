@@ -42,6 +42,7 @@ struct PlanCase {
   std::string name() const {
     std::string n = model + "_" + strategy + "_W" + std::to_string(world);
     if (extra.find("--tp 2") != std::string::npos) n += "_tp2";
+    if (extra.find("--sequence-parallel") != std::string::npos) n += "_sp";
     if (extra.find("bf16") != std::string::npos) n += "_bf16";
     return n;
   }
@@ -99,6 +100,8 @@ std::vector<PlanCase> plan_cases(bool long_run) {
       }
       // Tensor parallelism: TP 2 x DP 2, against fsdp alone at the same W (the case above).
       out.push_back({model, "full_shard", 4, "--tp 2 " + mp});
+      // With sequence parallelism: the activations between the split layers a chunk of the sequence.
+      if (mp.empty() || long_run) out.push_back({model, "full_shard", 4, "--tp 2 --sequence-parallel " + mp});
     }
   }
   return out;

@@ -44,9 +44,12 @@ hold its parts (the split layers' weights / N, norms, row-parallel biases and th
 embedding whole); its compute is the block's / N; and each block's forward adds two blocking
 all-reduces of the activations [tokens, d] inside the host (backward two more, activation
 checkpointing's recomputation two more again), charged as compute time over --intra-gbs (ring,
-2 (N - 1) / N of the bytes, each of 2 (N - 1) messages at --latency). There is no sequence
-parallelism: the activations outside the split layers are whole on every TP rank (the memory plan
-counts them so). --batch-per-rank is then per data-parallel rank (its TP ranks share the batch).
+2 (N - 1) / N of the bytes, each of 2 (N - 1) messages at --latency). Without
+--sequence-parallel the activations outside the split layers are whole on every TP rank; with it
+(fsdp-train --sequence-parallel, Megatron-SP) they are each rank's 1 / N chunk of the sequence
+(the checkpointed block inputs among them), the split layers' gathered inputs whole, and each
+all-reduce becomes a reduce-scatter and an all-gather of the same bytes. --batch-per-rank is then
+per data-parallel rank (its TP ranks share the batch).
 """
 
 import argparse
@@ -530,11 +533,15 @@ def python_plan(model, args, compute_bytes, with_activations=True):
     if tp > 1:  # vocabulary-parallel: this rank's classes, two fp32 arrays and a half one (models/gpt.cpp)
         head_act = tokens * d * compute_bytes + tokens * (model.vocab // tp) * (8 + (0 if compute_bytes == 4 else compute_bytes))
     # Split under TP: qkv's, the attention's, fc's and gelu's outputs (12 of the 16 per token).
-    per_block = 4 * tokens * d + 12 * tokens * d // tp + args.batch_per_rank * (model.heads // tp) * T * 4 // compute_bytes
+    # Sequence parallelism (models/gpt.cpp's activation_bytes): ln1's and ln2's outputs kept as the
+    # split layers' gathered inputs (whole), h and the block's output as chunks.
+    chunk = tp if tp > 1 and args.sequence_parallel else 1
+    whole = 4 * tokens * d if chunk == 1 else 2 * tokens * d + 2 * tokens * d // chunk
+    per_block = whole + 12 * tokens * d // tp + args.batch_per_rank * (model.heads // tp) * T * 4 // compute_bytes
     if args.activation_checkpointing:  # each block keeps its input; one block's again while recomputed
-        activations = ((model.layers + 1) * tokens * d + per_block) * compute_bytes + head_act
+        activations = ((model.layers + 1) * tokens * d // chunk + per_block) * compute_bytes + head_act
     else:
-        activations = (model.layers * per_block + tokens * d) * compute_bytes + head_act
+        activations = (model.layers * per_block + tokens * d // chunk) * compute_bytes + head_act
     if not with_activations:
         activations = head_act = 0
     unit_grads, reduce_buffer = block * compute_bytes, block * compute_bytes
@@ -620,6 +627,9 @@ def parser():
                     choices=["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"])
     ap.add_argument("--shard-size", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a host (fsdp-train --tp)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp: sequence parallelism (fsdp-train --sequence-parallel): the activations between "
+                         "the split layers are each TP rank's chunk of the sequence")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), help="a preset for the rates below")
     ap.add_argument("--tflops", type=float, default=1.0, help="compute throughput per rank, TFLOPS")
     ap.add_argument("--mfu", type=float, default=1.0, help="the share of --tflops a step's compute reaches")

@@ -85,6 +85,10 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "fsdp over the W/N data-parallel ranks; N divides the ranks per host, the heads and the vocabulary. "
                  "Default 1")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--sequence-parallel", c.sequence_parallel,
+               "with --tp: sequence parallelism (Megatron-SP): between the split layers (norms, dropout, residual) "
+               "each TP rank holds its 1/N chunk of the sequence; the TP all-reduces become all-gather / "
+               "reduce-scatter pairs. The sequence length must be a multiple of N");
   app.add_flag("--live-replicas", c.live_replicas,
                "hybrid strategies: when a replica group (the ranks of a shard group) fails, the others discard that "
                "step and train on without it; a replacement joins at a step boundary with a live group's state. "
@@ -192,6 +196,7 @@ models::GPTConfig model_config(const Config& c, const models::TokenSource& data)
   if (c.n_kv_head > 0) cfg.n_kv_head = c.n_kv_head;
   cfg.fused_attention = c.attention == "fused";
   cfg.tensor_parallel = c.tp;
+  cfg.sequence_parallel = c.sequence_parallel && c.tp > 1;
   cfg.dropout = c.dropout;
   return cfg;
 }

@@ -54,6 +54,7 @@ struct Config {
   std::string attention = "fused";  // or "reference": written out (GPTConfig::fused_attention)
   double dropout = 0.0;             // the workload's dropout (GPT's blocks, T5's layers, DHEN's mix)
   int tp = 1;                       // tensor parallelism inside a host (2-D with fsdp across)
+  bool sequence_parallel = false;   // --sequence-parallel: Megatron-SP under --tp
   // Fault tolerance (docs/cluster.md, "When a host fails"): replica groups that drop out and rejoin
   // while the others train on (a coordinator at MASTER_ADDR decides), and the membership changes a
   // run to compare with fixes in advance ("out:1@5,in:1@8").

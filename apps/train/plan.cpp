@@ -25,7 +25,9 @@ int plan(const Config& c) {
   // With --tp, its TP group splits the model (the plan of TP rank 0), and fsdp shards over the
   // W / TP data-parallel ranks, W / TP / hosts per host.
   const auto mesh = fsdp::Mesh::simulated(W, 0, c.tp > 1 ? std::min(c.plan_local, W) : 1);
-  const auto tp = c.tp > 1 ? fsdp::TensorParallel::create(mesh, c.tp) : nullptr;
+  fsdp::TensorParallelOptions tp_options;
+  tp_options.sequence_parallel = c.sequence_parallel;
+  const auto tp = c.tp > 1 ? fsdp::TensorParallel::create(mesh, c.tp, tp_options) : nullptr;
   const int dp = W / c.tp, dp_local = c.tp > 1 ? std::max(1, std::min(c.plan_local, W) / c.tp) : c.plan_local;
   const auto t0 = std::chrono::steady_clock::now();
   auto model = fsdp::meta_init([&] { return workload->build(mesh); });

@@ -23,6 +23,7 @@ class T5Workload final : public Workload {
         length_(c.block_size > 0 ? c.block_size : kDefaultLength) {
     cfg_.dropout = c.dropout;
     cfg_.tensor_parallel = c.tp;
+    sequence_parallel_ = c.sequence_parallel && c.tp > 1;
     if (data_.vocab_size() > cfg_.vocab_size) {
       // The paper's presets have T5's 32128-token vocabulary; a byte corpus fits every preset.
       cfg_.vocab_size = data_.vocab_size();
@@ -69,7 +70,7 @@ class T5Workload final : public Workload {
   torch::Tensor loss(torch::nn::Module& model, const torch::Tensor& out, const Batch& b) const override {
     return static_cast<models::T5Impl&>(model).loss(out, b.targets);  // vocabulary-parallel under --tp
   }
-  std::vector<fsdp::TensorParallelRule> tensor_parallel_plan() const override { return models::t5_tensor_parallel_plan(); }
+  std::vector<fsdp::TensorParallelRule> tensor_parallel_plan() const override { return models::t5_tensor_parallel_plan(sequence_parallel_); }
   double flops_scale(int64_t) const override { return 0; }
 
  private:
@@ -77,6 +78,7 @@ class T5Workload final : public Workload {
   models::T5Config cfg_;
   std::string name_;
   int64_t length_;
+  bool sequence_parallel_ = false;
 };
 
 }  // namespace

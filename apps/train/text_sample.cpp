@@ -61,8 +61,15 @@ std::optional<TextSample> sample_text(const Config& c, const Workload& workload,
     sample.via = tp ? "the sharded forward, logits gathered over TP" : "the sharded forward";
     const int W = job.world_size();
     auto sharded_forward = [&](const torch::Tensor& ids) {
-      torch::Tensor logits = last(trainee.forward(
-          [&] { return workload.forward(model, Batch{{ids.to(device)}, {}}, trainee.input_dtype()); }));
+      // Under sequence parallelism the length must split over the TP ranks: padded at the end,
+      // which a causal model's earlier positions never see (the context fits: the block size is a
+      // multiple of the TP size).
+      const int64_t n = ids.size(-1);
+      const int64_t pad = tp && tp->sequence_parallel() ? (tp->size() - n % tp->size()) % tp->size() : 0;
+      const torch::Tensor in = pad == 0 ? ids : torch::cat({ids, torch::zeros({ids.size(0), pad}, ids.options())}, -1);
+      torch::Tensor logits = trainee.forward(
+          [&] { return workload.forward(model, Batch{{in.to(device)}, {}}, trainee.input_dtype()); });
+      logits = logits.select(1, n - 1).reshape({-1}).to(torch::kCPU, torch::kFloat);
       if (tp) {
         logits = fsdp::gather_from_tensor_parallel_region(logits, tp, -1);
         // A padded vocabulary's padding classes are none of the model's.

@@ -147,11 +147,12 @@ int train(const Config& c) {
   if (c.tp > 1 && (c.local || c.ddp_baseline)) {
     throw std::invalid_argument("--tp needs fsdp; drop " + std::string(c.local ? "--local" : "--ddp-baseline"));
   }
-  if (c.tp > 1 && c.dropout > 0) {
-    throw std::invalid_argument("--tp with --dropout: the TP ranks of a data-parallel group would draw different masks "
-                                "for the activations they hold alike; drop --dropout");
+  if (c.sequence_parallel && c.tp <= 1) {
+    throw std::invalid_argument("--sequence-parallel splits the sequence over the TP ranks: add --tp N (N > 1)");
   }
-  const std::shared_ptr<fsdp::TensorParallel> tp = c.tp > 1 ? fsdp::TensorParallel::create(world, c.tp) : nullptr;
+  fsdp::TensorParallelOptions tp_options;
+  tp_options.sequence_parallel = c.sequence_parallel;
+  const std::shared_ptr<fsdp::TensorParallel> tp = c.tp > 1 ? fsdp::TensorParallel::create(world, c.tp, tp_options) : nullptr;
   const std::string checkpoint_kind = c.checkpoint_kind != "auto" ? c.checkpoint_kind : tp ? "full" : "sharded";
   // A split model saves FULL checkpoints only, which are written synchronously: said before the run
   // trains, not at its first save.
@@ -297,7 +298,13 @@ int train(const Config& c) {
   if (c.ddp_baseline) trainee = ddp_trainee(model, mesh, optim.unique_params);
   // Dropout draws each rank's masks from its own stream (the same seed would give every rank the
   // same masks for its part of the batch); checkpoints save and restore each rank's generator.
-  if (c.dropout > 0) torch::manual_seed(c.seed * 1000003ull + static_cast<uint64_t>(rank) + 1);
+  // Under --tp the TP ranks of a data-parallel group seed alike (they hold the replicated
+  // activations alike) and each draws split activations' masks from its own stream.
+  if (c.dropout > 0) {
+    const uint64_t seed = c.seed * 1000003ull + static_cast<uint64_t>(rank) + 1;
+    if (tp) fsdp::seed_tensor_parallel_rng(tp, seed);
+    else torch::manual_seed(seed);
+  }
   const fsdp::ProcessMemory constructed = fsdp::process_memory(device);
 
   // Checkpoints: weights from a file, a resumed run, and the checkpointer for this one.

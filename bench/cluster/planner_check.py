@@ -327,16 +327,19 @@ TORCHTITAN_70B = {"tps_per_gpu": 829, "tps_per_gpu_async_tp": 876, "memory_gib":
 
 def tp_at_scale():
     rows = []
-    for label, tp, batch in [("FSDP 32 x TP 8, local batch 16 (torchtitan's)", 8, 16),
-                             ("FSDP 32 x TP 8, local batch 2", 8, 2),
-                             ("FSDP 256 alone, batch 2 per GPU (16 per 8 GPUs)", 1, 2)]:
+    for label, tp, batch, sp in [("FSDP 32 x TP 8 + sequence parallelism, local batch 16 (torchtitan's)", 8, 16, True),
+                                 ("FSDP 32 x TP 8 without sequence parallelism, local batch 16", 8, 16, False),
+                                 ("FSDP 32 x TP 8 + sequence parallelism, local batch 2", 8, 2, True),
+                                 ("FSDP 256 alone, batch 2 per GPU (16 per 8 GPUs)", 1, 2, False)]:
         argv = ["--model", "70b", "--world", "256", "--ranks-per-host", "8", "--hardware", "h100-grand-teton",
                 "--batch-per-rank", str(batch), "--strategy", "full_shard", "--tp", str(tp), "--activation-checkpointing"]
+        if sp:
+            argv.append("--sequence-parallel")
         args = fsdp_plan.apply_hardware(fsdp_plan.parser().parse_args(argv))
         r = fsdp_plan.plan(args)
         m = fsdp_plan.Model("70b", *fsdp_plan.MODELS["70b"], tp=tp)
         mem = fsdp_plan.python_plan(m, args, 2)
-        rows.append({"label": label, "tp": tp, "batch": batch, "step_s": r["step_s"], "tps": r["tokens_per_s_per_gpu"],
+        rows.append({"label": label, "tp": tp, "batch": batch, "sequence_parallel": sp, "step_s": r["step_s"], "tps": r["tokens_per_s_per_gpu"],
                      "tflops": r["tflops_per_rank"], "exposed_s": r["exposed_comm_s"], "link_bytes": r["link_bytes"],
                      "tp_all_reduce_s": r["tp_all_reduce_s"], "memory_gib": mem["peak"] / fsdp_plan.GIB})
     return rows

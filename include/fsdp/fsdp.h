@@ -174,9 +174,9 @@ class FullyShardedDataParallelBase {
   // is discarded on every rank and refused by the next call (forward, summon_full_params,
   // unshard, clip_grad_norm_, a checkpoint). Without it, changes are discarded (every strategy).
   // Values are the optimizer's (the master dtype, even with mixed precision); gradients stay
-  // sharded. Under tensor parallelism "whole" is fsdp's: a parameter split for TP holds this TP
-  // rank's part of it (its whole TP part, gathered over the data-parallel ranks); for the whole
-  // tensors, take fsdp::full_state_dict or a FULL checkpoint, which gather over TP too.
+  // sharded. Under tensor parallelism a split parameter is whole too (its TP parts put together,
+  // the tensor a FULL checkpoint holds, a padded vocabulary without its padding); with writeback
+  // each TP rank keeps its part of what the scope left in it. Collective over the TP groups too.
   class FullParams {
    public:
     ~FullParams();

@@ -23,8 +23,9 @@
 // them whole and computes the same gradient for them. Every TP rank builds the model whole from
 // the same seed before the plan, so each starts from local training's values. Checkpoints of a
 // split model hold every tensor whole under its original name (FULL kind; docs/checkpoints.md).
-// Not supported with TP: dropout inside the model (masks would differ across the TP ranks),
-// deferred initialization, sequence parallelism.
+// Sequence parallelism (TensorParallelOptions) keeps the activations between the split layers in
+// chunks of the sequence; dropout draws from seed_tensor_parallel_rng's streams. Not supported with
+// TP: deferred initialization.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +44,20 @@
 
 namespace fsdp {
 
+struct TensorParallelOptions {
+  // Megatron-LM's sequence parallelism (Korthikanti et al. 2022): between the split layers (the
+  // LayerNorms, dropout and residual additions a transformer does on every TP rank alike) each rank
+  // holds only its chunk of the sequence, 1 / size of those activations. column_parallel then
+  // all-gathers its input along the sequence and row_parallel reduce-scatters its output (the bytes
+  // of the all-reduces they replace); the model enters the sequence region once, after its
+  // embedding (scatter_to_sequence_parallel_region), and the parameters applied to chunks (the
+  // norms' weights, a row-parallel layer's bias) are partial_gradient_rule parameters: each rank's
+  // gradient is its chunk's share. The sequence length must be a multiple of the TP size.
+  bool sequence_parallel = false;
+  // The activations' sequence dimension: 1 for [batch, sequence, features].
+  int64_t sequence_dim = 1;
+};
+
 // The 2-D mesh: W = DP x TP ranks; a TP group is `size` consecutive ranks (inside one host when
 // `size` divides the ranks per node, which create() requires of a multi-host job), a DP group
 // the ranks with the same place in their TP group.
@@ -51,11 +66,14 @@ class TensorParallel {
   // Collective over `world`. Throws std::invalid_argument when `size` does not divide the world
   // size, or (with more than one host) the ranks per node: TP's activations cross the TP group
   // twice per layer and pass, which only a host's links carry at the speed it needs.
-  static std::shared_ptr<TensorParallel> create(const std::shared_ptr<Mesh>& world, int size);
+  static std::shared_ptr<TensorParallel> create(const std::shared_ptr<Mesh>& world, int size,
+                                                const TensorParallelOptions& options = {});
   ~TensorParallel();
 
   int size() const;
   int rank() const;  // in the TP group
+  bool sequence_parallel() const;
+  int64_t sequence_dim() const;
   // The mesh of this rank's DP group (W / size ranks, W / size / hosts per node): what
   // FullyShardedDataParallel is given. The Checkpointer and the ShardedGradScaler take world(),
   // so that every rank of the job agrees (an overflow in one TP rank's parts skips every rank's step).
@@ -164,6 +182,51 @@ at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const std::sh
 // gathers the parts' gradients.
 at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp,
                                              int64_t dim = -1);
+// The regions of sequence parallelism (TensorParallelOptions), along tp->sequence_dim(); each the
+// identity when `tp` has one rank. Collective over `tp`'s group.
+// scatter_to: this rank's chunk of the sequence (the length a multiple of the group size); backward
+// gathers the chunks' gradients. Where a model enters the sequence region: after the embedding.
+at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp);
+// gather_from: the whole sequence from the chunks. Backward: with `into_split_computation` (what
+// column_parallel uses: each rank's gradient is its features' part) the gradients summed over the
+// group and this rank's chunk kept (a reduce-scatter); without it, this rank's chunk of its own
+// gradient (the whole sequence feeds computation every rank does alike).
+at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp,
+                                                bool into_split_computation = true);
+// reduce_scatter_to: the sum of the ranks' partial results, this rank's chunk of the sequence (what
+// row_parallel uses); backward gathers the gradient.
+at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp);
+// The TensorParallel of a split `weight` when it runs sequence-parallel over more than one rank;
+// null otherwise (no split, one rank, or sequence parallelism off): what a model asks once to know
+// whether to enter the sequence region.
+std::shared_ptr<TensorParallel> sequence_parallel_of(const at::Tensor& weight);
+
+// Dropout inside a TP model (Megatron-LM's RNG tracker). Activations every TP rank holds alike
+// (the residual stream without sequence parallelism) need the same mask on each: the default
+// generator, seeded alike on the TP ranks of a data-parallel group. Activations split across the
+// group (a feed-forward's features, a head's scores, a sequence-parallel chunk) need an independent
+// mask on each: this TP rank's own stream, which TensorParallelRngScope swaps into the default
+// generator. seed_tensor_parallel_rng seeds both (the default generator with `seed`, this rank's
+// stream from `seed` and its TP rank); pass the same seed on the TP ranks of a data-parallel group
+// and different ones across it. Checkpoints save and restore both streams with each rank's state,
+// so a resumed run draws the masks an uninterrupted one would. A replicated mask drawn from
+// differing generators is caught by the replicated-gradient check after backward.
+void seed_tensor_parallel_rng(const std::shared_ptr<TensorParallel>& tp, uint64_t seed);
+// Inside: the default generators (CPU and, with CUDA, the current device's) draw from this TP
+// rank's stream; outside, as before. A no-op for a null or one-rank `tp`; nests (the outer scope
+// swaps). Throws std::logic_error, saying what to call, when seed_tensor_parallel_rng was not.
+class TensorParallelRngScope {
+ public:
+  explicit TensorParallelRngScope(const std::shared_ptr<TensorParallel>& tp);
+  ~TensorParallelRngScope();
+  TensorParallelRngScope(const TensorParallelRngScope&) = delete;
+  TensorParallelRngScope& operator=(const TensorParallelRngScope&) = delete;
+
+ private:
+  std::vector<at::Tensor> saved_;  // the default generators' states while the scope swaps them
+  bool active_ = false, nested_ = false;
+};
+
 // The whole logits [..., V] from logits split by a vocabulary-split `weight` (column_parallel's
 // output with the embedding or head weight): gathered over the TP group, without a padded
 // vocabulary's padding classes. For sampling, accuracy, a z-loss. The logits themselves when
@@ -172,16 +235,21 @@ at::Tensor gather_vocab_parallel_logits(const at::Tensor& logits, const at::Tens
 
 // The layers' forward. Each is a plain call when its weight is not split (or TP has one rank).
 // Column-parallel: x is whole (replicated); the output holds this rank's output features. Backward
-// all-reduces x's gradient over the TP group.
+// all-reduces x's gradient over the TP group. Under sequence parallelism x is this rank's chunk of
+// the sequence, all-gathered first (the gradient reduce-scattered back), and the output covers the
+// whole sequence.
 at::Tensor column_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 at::Tensor column_parallel(torch::nn::Linear& linear, const at::Tensor& x);
 // Row-parallel: x holds this rank's input features (a column-parallel layer's output); the
 // partial products are all-reduced over the TP group, then the (replicated) bias is added once.
+// Under sequence parallelism they are reduce-scattered instead: the output is this rank's chunk of
+// the sequence, and the bias, added to a chunk, has a partial gradient (partial_gradient_rule).
 at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 at::Tensor row_parallel(torch::nn::Linear& linear, const at::Tensor& x);
 // A lookup in an embedding split by rows: each rank looks up the ids in its rows, the rest are
 // zero, and the TP group's sum is the whole lookup. The plain lookup (at::embedding): no
-// padding_idx, max_norm or scale_grad_by_freq; the Embedding overload honours them.
+// padding_idx, max_norm or scale_grad_by_freq; the Embedding overload honours them. The lookup
+// is whole under sequence parallelism too (add position embeddings, then scatter_to_sequence_...).
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight);
 // The module's lookup with its options, split or not: padding_idx (that row's gradient stays 0),
 // max_norm (the rows looked up renormalized in place, by the rank that holds them) and

@@ -48,6 +48,7 @@
 #include "wrap/sharded_root.h"
 #include "checkpoint/state_dict.h"
 #include "checkpoint/tensor_parallel_state.h"
+#include "tensor_parallel/rng_tracker.h"
 
 namespace fsdp {
 namespace {
@@ -88,6 +89,11 @@ nlohmann::json rng_state() {
     std::lock_guard<std::mutex> lock(g.mutex());
     out["cuda"] = hex(g.get_state());
   }
+  // This TP rank's streams for dropout on split activations (fsdp::seed_tensor_parallel_rng).
+  for (auto& [name, g] : detail::tensor_parallel_generators()) {
+    std::lock_guard<std::mutex> lock(g.mutex());
+    out[name] = hex(g.get_state());
+  }
   return out;
 }
 
@@ -113,6 +119,7 @@ struct StagedRng {
     };
     stage("cpu", at::detail::getDefaultCPUGenerator());
     if (at::hasCUDA()) stage("cuda", at::globalContext().defaultGenerator(c10::Device(c10::kCUDA)));
+    for (auto& [name, g] : detail::tensor_parallel_generators()) stage(name.c_str(), g);
     return out;
   }
 

@@ -14,6 +14,7 @@
 
 #include "engine/param_key.h"
 #include "engine/touch_detection.h"
+#include "tensor_parallel/rng_tracker.h"
 
 namespace fsdp {
 namespace {
@@ -33,6 +34,12 @@ struct RngStates {
     RngStates r;
     for (const c10::Device& d : devices) {
       at::Generator g = at::globalContext().defaultGenerator(d);
+      std::lock_guard<std::mutex> lock(g.mutex());
+      r.saved.emplace_back(g, g.get_state());
+    }
+    // The TP ranks' own streams (fsdp::seed_tensor_parallel_rng), which dropout on split
+    // activations draws from inside a TensorParallelRngScope: recomputed masks must be the same too.
+    for (auto& [name, g] : detail::tensor_parallel_generators()) {
       std::lock_guard<std::mutex> lock(g.mutex());
       r.saved.emplace_back(g, g.get_state());
     }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "tensor_parallel/group_ops.h"
 #include "tensor_parallel/layer_scope.h"
 #include "tensor_parallel/replica_agreement.h"
 
@@ -24,6 +25,11 @@ const char* const kEmbeddingIds = "the ids of fsdp::vocab_parallel_embedding";
 // operators that read a split weight).
 thread_local int t_layer_depth = 0;
 
+using detail::all_gather_along;
+using detail::all_reduce_;
+using detail::by_key;
+using detail::key_of;
+using detail::wrap_dim;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -32,21 +38,6 @@ std::optional<TensorParallelPlacement> active(const at::Tensor& weight) {
   auto placement = tensor_parallel_placement(weight);
   if (!placement || placement->tp->size() == 1) return std::nullopt;
   return placement;
-}
-
-// In place on a fresh tensor; throws what failed and where.
-void all_reduce_(at::Tensor& t, c10d::ReduceOp op, const TensorParallel& tp, const char* what) {
-  std::vector<at::Tensor> v{t};
-  c10d::AllreduceOptions o;
-  o.reduceOp = op;
-  try {
-    auto work = tp.group(t.device().type())->allreduce(v, o);
-    if (!work->wait()) throw std::runtime_error("the work did not complete");
-  } catch (const std::exception& e) {
-    throw std::runtime_error(std::string("fsdp: the tensor-parallel all-reduce of ") + what + " failed on TP rank " +
-                             std::to_string(tp.rank()) + " of " + std::to_string(tp.size()) + ": " +
-                             std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
-  }
 }
 
 // f: identity forward, all-reduce of the gradient backward.
@@ -63,28 +54,6 @@ struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x, int64_t tp_key);
   static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
 };
-
-// The autograd Functions carry the group as a key into this table (IValues cannot hold a
-// shared_ptr of a plain class): the TensorParallel lives as long as any placement names it.
-std::mutex keys_mutex;
-std::vector<std::weak_ptr<TensorParallel>>& keys() {
-  static std::vector<std::weak_ptr<TensorParallel>> k;
-  return k;
-}
-int64_t key_of(const std::shared_ptr<TensorParallel>& tp) {
-  std::lock_guard<std::mutex> lock(keys_mutex);
-  auto& k = keys();
-  for (size_t i = 0; i < k.size(); ++i)
-    if (k[i].lock() == tp) return static_cast<int64_t>(i);
-  k.push_back(tp);
-  return static_cast<int64_t>(k.size() - 1);
-}
-std::shared_ptr<TensorParallel> by_key(int64_t key) {
-  std::lock_guard<std::mutex> lock(keys_mutex);
-  auto tp = keys().at(static_cast<size_t>(key)).lock();
-  TORCH_CHECK(tp, "fsdp: a tensor-parallel layer's group ended before its backward");
-  return tp;
-}
 
 variable_list CopyToRegion::backward(AutogradContext* ctx, variable_list grads) {
   at::Tensor g = grads[0].contiguous().clone();
@@ -194,8 +163,20 @@ at::Tensor column_split(const TensorParallelPlacement& p, const at::Tensor& x, c
                                 "the bias with it (fsdp::column_parallel_rule(pattern, parts, /*bias=*/true), or a rule "
                                 "{\"<layer>.bias\", {0, parts}})");
   }
+  if (p.tp->sequence_parallel() && x.dim() < p.tp->sequence_dim() + 2) {
+    // A pooled [batch, features] input has no sequence to gather: gathering its features would
+    // fail later with a size error that names nothing.
+    throw std::invalid_argument("fsdp: under sequence parallelism column_parallel's input is this rank's chunk of the "
+                                "sequence (dimension " + std::to_string(p.tp->sequence_dim()) + " of [batch, sequence, "
+                                "features]), and this input has " + std::to_string(x.dim()) + " dimensions: for "
+                                "features without a sequence (pooled), write the layer as at::linear("
+                                "fsdp::copy_to_tensor_parallel_region(x, tp), weight) inside a "
+                                "fsdp::TensorParallelLayerScope");
+  }
   TensorParallelLayerScope layer;
-  return at::linear(CopyToRegion::apply(x, key_of(p.tp)), weight, bias);
+  const at::Tensor in = p.tp->sequence_parallel() ? gather_from_sequence_parallel_region(x, p.tp)
+                                                  : CopyToRegion::apply(x, key_of(p.tp));
+  return at::linear(in, weight, bias);
 }
 
 at::Tensor row_split(const TensorParallelPlacement& p, const at::Tensor& x, const at::Tensor& weight,
@@ -205,33 +186,10 @@ at::Tensor row_split(const TensorParallelPlacement& p, const at::Tensor& x, cons
     throw std::invalid_argument("fsdp: row_parallel's bias must be replicated (added once, after the reduction); the plan split it");
   }
   TensorParallelLayerScope layer;
-  const at::Tensor y = ReduceFromRegion::apply(at::linear(x, weight), key_of(p.tp));
+  const at::Tensor partial = at::linear(x, weight);
+  const at::Tensor y = p.tp->sequence_parallel() ? reduce_scatter_to_sequence_parallel_region(partial, p.tp)
+                                                 : ReduceFromRegion::apply(partial, key_of(p.tp));
   return bias.defined() ? y + bias : y;
-}
-
-// Each rank's part of `dim` side by side in forward; this rank's part of the gradient backward.
-at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what) {
-  at::Tensor moved = x.movedim(dim, 0).contiguous();
-  // Shaped as the parts stacked along dimension 0 (Gloo's all-gather compares each part's shape
-  // with the input's, so a flat buffer is refused for inputs of more than one dimension).
-  std::vector<int64_t> shape = moved.sizes().vec();
-  shape[0] *= tp.size();
-  at::Tensor all = at::empty(shape, moved.options());
-  try {
-    auto work = tp.group(moved.device().type())->_allgather_base(all, moved);
-    if (!work->wait()) throw std::runtime_error("the work did not complete");
-  } catch (const std::exception& e) {
-    throw std::runtime_error(std::string("fsdp: the tensor-parallel all-gather of ") + what + " failed on TP rank " +
-                             std::to_string(tp.rank()) + " of " + std::to_string(tp.size()) + ": " +
-                             std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
-  }
-  return all.movedim(0, dim);
-}
-
-int64_t wrap_dim(int64_t dim, const at::Tensor& x) {
-  const int64_t d = dim < 0 ? dim + x.dim() : dim;
-  TORCH_CHECK(d >= 0 && d < x.dim(), "fsdp: dimension ", dim, " of a tensor of ", x.dim(), " dimensions");
-  return d;
 }
 
 struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {

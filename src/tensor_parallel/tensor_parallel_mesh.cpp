@@ -21,6 +21,7 @@ std::atomic<int> g_created{0};
 struct TensorParallel::State {
   std::shared_ptr<Mesh> world, dp;
   int size = 1, rank = 0;
+  TensorParallelOptions options;
   std::string prefix;  // of its groups' names: "" for the first TensorParallel of the process
   mutable std::mutex mutex;
   mutable std::map<int, c10::intrusive_ptr<c10d::Backend>> groups;  // device type -> TP group
@@ -28,8 +29,13 @@ struct TensorParallel::State {
 
 TensorParallel::~TensorParallel() = default;
 
-std::shared_ptr<TensorParallel> TensorParallel::create(const std::shared_ptr<Mesh>& world, int size) {
+std::shared_ptr<TensorParallel> TensorParallel::create(const std::shared_ptr<Mesh>& world, int size,
+                                                       const TensorParallelOptions& options) {
   if (!world) throw std::invalid_argument("fsdp::TensorParallel::create: the world mesh is null");
+  if (options.sequence_dim < 0) {
+    throw std::invalid_argument("fsdp::TensorParallel::create: sequence_dim must be a dimension (>= 0) of the "
+                                "activations, got " + std::to_string(options.sequence_dim));
+  }
   const LaunchEnv& env = world->env();
   const int W = env.world_size, local = env.local_world_size;
   if (size < 1 || W % size != 0) {
@@ -47,6 +53,7 @@ std::shared_ptr<TensorParallel> TensorParallel::create(const std::shared_ptr<Mes
   State& s = *tp->state_;
   s.world = world;
   s.size = size;
+  s.options = options;
   s.rank = env.rank % size;
   const int made = g_created.fetch_add(1);
   if (made > 0) s.prefix = "tp" + std::to_string(made) + ":";
@@ -69,6 +76,8 @@ std::shared_ptr<TensorParallel> TensorParallel::create(const std::shared_ptr<Mes
 
 int TensorParallel::size() const { return state_->size; }
 int TensorParallel::rank() const { return state_->rank; }
+bool TensorParallel::sequence_parallel() const { return state_->options.sequence_parallel; }
+int64_t TensorParallel::sequence_dim() const { return state_->options.sequence_dim; }
 const std::shared_ptr<Mesh>& TensorParallel::data_parallel() const { return state_->dp; }
 const std::shared_ptr<Mesh>& TensorParallel::world() const { return state_->world; }
 

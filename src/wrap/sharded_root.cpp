@@ -373,6 +373,15 @@ void ShardedRoot::summon(bool rank0_only, bool writeback) {
                                        "object unshard() returned go out of scope), then summon.");
   const bool keep = !rank0_only || mesh_->rank() == 0;
   for (auto& u : units_) u->handle().summon(keep);
+  if (options_.tensor_parallel && options_.tensor_parallel->size() > 1) {
+    // Whole tensors, not this TP rank's parts (wrap/tensor_parallel_summon.h).
+    try {
+      tp_summon_.begin(*module_, keep);
+    } catch (...) {
+      for (auto& u : units_) u->handle().end_summon(false);
+      throw;
+    }
+  }
   summoned_ = true;
   summon_writes_ = writeback;
   runtime_->set_summoned(true);
@@ -390,6 +399,7 @@ void ShardedRoot::end_summon(bool writeback) noexcept {
   // Each rank writes back only its own shard of what it holds: a change made on some ranks only
   // would land half-applied (F = W: the elements the changing ranks own) or on some replicas only
   // (F < W), and training would go on from parameters no single process has. Compared first.
+  tp_summon_.end(writeback && summon_writes_);
   if (writeback && summon_writes_ && mesh_->world_size() > 1) writeback = summoned_values_agree();
   for (auto& u : units_) u->handle().end_summon(writeback);
   summoned_ = false;

@@ -18,6 +18,7 @@
 #include "engine/unit.h"
 #include "engine/unit_decomposition.h"
 #include "wrap/row_sharded.h"
+#include "wrap/tensor_parallel_summon.h"
 
 namespace fsdp::detail {
 
@@ -93,6 +94,7 @@ class ShardedRoot {
   bool checks_inputs_ = false;  // set at wrapping with a TP group of more than one rank
   std::unordered_set<const c10::TensorImpl*> wrapped_params_;  // every parameter at wrapping
   bool summon_writes_ = false;        // the summon scope writes back
+  TensorParallelSummon tp_summon_;    // under TP: the split parameters whole inside the scope
   std::string pending_refusal_;       // end_summon's, thrown by the next call
   int64_t alloc_retries_at_reset_ = 0;
   int64_t step_ = 0;

@@ -18,6 +18,10 @@
 //                    the classes the vocabulary
 //     qk_norm        a replicated per-head-feature norm weight applied to the split hidden
 //                    features of each block, declared by a partial_gradient_rule
+//     sp             sequence parallelism (TensorParallelOptions): the blocks' norms and residuals
+//                    on this rank's chunk of the tokens (the norms and down's bias declared
+//                    partial), pooled over the gathered sequence before the head
+//     sp_no_rule     (refused) sp without the partial rules: the norms' gradients differ
 //     api            no training: the cross entropy's options and the region primitives against
 //                    whole-tensor arithmetic, twice, the second time through a second
 //                    TensorParallel of the same process (check_api)
@@ -90,11 +94,22 @@ struct MyNetImpl : torch::nn::Module {
     // otherwise, as users of the tensor form write it.
     torch::Tensor x = embed->options.max_norm() ? fsdp::vocab_parallel_embedding(embed, ids)
                                                 : fsdp::vocab_parallel_embedding(ids, embed->weight);
+    // Sequence parallelism: the blocks see this rank's chunk of the tokens; the pooling needs them all.
+    const auto sp = fsdp::sequence_parallel_of(blocks[0]->as<MyBlockImpl>()->up->weight);
+    if (sp) x = fsdp::scatter_to_sequence_parallel_region(x, sp);
     for (const auto& b : *blocks) x = b->as<MyBlockImpl>()->forward(x);
+    if (sp) x = fsdp::gather_from_sequence_parallel_region(x, sp, /*into_split_computation=*/false);
+    const torch::Tensor pooled = x.mean(1);
     // A user's slip: the split head called directly (local training computes the same).
-    if (head_outside) return at::linear(x.mean(1), head->weight);
-    if (tied) return fsdp::column_parallel(x.mean(1), embed->weight);  // [B, vocabulary / TP]
-    return fsdp::column_parallel(head, x.mean(1));  // [B, classes / TP]
+    if (head_outside) return at::linear(pooled, head->weight);
+    const torch::Tensor& w = tied ? embed->weight : head->weight;
+    if (sp) {
+      // Pooled features have no sequence to gather: the column-parallel product written out.
+      fsdp::TensorParallelLayerScope own_layer;
+      return at::linear(fsdp::copy_to_tensor_parallel_region(pooled, sp), w);
+    }
+    if (tied) return fsdp::column_parallel(pooled, w);  // [B, vocabulary / TP]
+    return fsdp::column_parallel(head, pooled);  // [B, classes / TP]
   }
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& y) {
     return fsdp::vocab_parallel_cross_entropy(logits, y, tied ? embed->weight : head->weight);
@@ -162,11 +177,37 @@ json check_api(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     (fsdp::copy_to_tensor_parallel_region(xc, tp) * weights * (tp->rank() + 1)).sum().backward();
     note(region_diff, xc.grad(), weights * factor);
   }
+  // The sequence-parallel regions along dimension 1 of [2, 4 x size, 3], forward and backward.
+  {
+    fsdp::TensorParallelOptions o;
+    o.sequence_parallel = true;
+    auto sp = fsdp::TensorParallel::create(mesh, a.tp, o);
+    const int64_t n = 4, T = n * sp->size(), first = sp->rank() * n;
+    const double factor = sp->size() * (sp->size() + 1) / 2.0;
+    const at::Tensor x = torch::randn({2, T, 3}), w = torch::randn({2, T, 3});
+    const at::Tensor xs = x.clone().requires_grad_(true);
+    const at::Tensor chunk = fsdp::scatter_to_sequence_parallel_region(xs, sp);
+    note(region_diff, chunk.detach(), x.narrow(1, first, n));
+    const at::Tensor all = fsdp::gather_from_sequence_parallel_region(chunk, sp, /*into_split_computation=*/false);
+    note(region_diff, all.detach(), x);
+    (all * w).sum().backward();
+    note(region_diff, xs.grad(), w);
+    const at::Tensor c = x.narrow(1, first, n).clone().requires_grad_(true);
+    (fsdp::gather_from_sequence_parallel_region(c, sp) * w * (sp->rank() + 1)).sum().backward();
+    note(region_diff, c.grad(), (w * factor).narrow(1, first, n));
+    const at::Tensor xr = x.clone().requires_grad_(true);
+    const at::Tensor summed = fsdp::reduce_scatter_to_sequence_parallel_region(xr * (sp->rank() + 1), sp);
+    note(region_diff, summed.detach(), (x * factor).narrow(1, first, n));
+    (summed * w.narrow(1, first, n)).sum().backward();
+    note(region_diff, xr.grad(), w * (sp->rank() + 1));
+  }
   return {{"rank", mesh->rank()}, {"ce_diff", ce_diff}, {"region_diff", region_diff}, {"checks", checks}};
 }
 
 json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variants& v) {
-  auto tp = fsdp::TensorParallel::create(mesh, a.tp);
+  fsdp::TensorParallelOptions tp_options;
+  tp_options.sequence_parallel = v.has("sp") || v.has("sp_no_rule");
+  auto tp = fsdp::TensorParallel::create(mesh, a.tp, tp_options);
   const auto& dp = tp->data_parallel();
   auto build = [&](int seed) {
     torch::manual_seed(seed);
@@ -183,6 +224,9 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
     plan.push_back({"embed.weight", {0, 1}});
   }
   if (v.has("qk_norm")) plan.push_back(fsdp::partial_gradient_rule("blocks.*.qk_w"));
+  if (v.has("sp")) {
+    for (const char* p : {"blocks.*.norm.*", "blocks.*.down.bias"}) plan.push_back(fsdp::partial_gradient_rule(p));
+  }
   fsdp::parallelize(*mine, tp, plan);
   fsdp::Options opts = options_from(a);
   opts.auto_wrap_policy = v.has("embed_unit") ? fsdp::module_type_policy<MyBlockImpl, torch::nn::EmbeddingImpl>()
@@ -268,8 +312,29 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
     param_diff = std::max(param_diff, (it->second - item.value().detach()).abs().max().item<double>());
     ++compared;
   }
+  // summon_full_params: the model's own parameters whole inside the scope (the TP parts put
+  // together), and an in-place change made there written back into every rank's part.
+  double summon_diff = 0, writeback_diff = 0;
+  {
+    auto full = sharded.summon_full_params();
+    for (const auto& item : local->named_parameters()) {
+      const torch::Tensor* got = mine->named_parameters().find(item.key());
+      if (got == nullptr || got->sizes() != item.value().sizes()) {
+        summon_diff = 1e9;
+        continue;
+      }
+      summon_diff = std::max(summon_diff, (*got - item.value().detach()).abs().max().item<double>());
+      torch::NoGradGuard no_grad;
+      got->mul_(2);
+    }
+  }
+  for (const auto& [name, t] : fsdp::full_state_dict(sharded, /*rank0_only=*/false)) {
+    const torch::Tensor* want = local->named_parameters().find(name);
+    if (want) writeback_diff = std::max(writeback_diff, (t - 2 * want->detach()).abs().max().item<double>());
+  }
   return {{"rank", mesh->rank()}, {"loss_diff", loss_diff}, {"norm_rel_diff", norm_diff}, {"param_diff", param_diff},
-          {"compared", compared}, {"parameters", static_cast<int>(local->named_parameters().size())}};
+          {"compared", compared}, {"parameters", static_cast<int>(local->named_parameters().size())},
+          {"summon_diff", summon_diff}, {"writeback_diff", writeback_diff}};
 }
 
 }  // namespace
