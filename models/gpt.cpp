@@ -54,14 +54,18 @@ int64_t GPTConfig::activation_bytes(int64_t batch, int64_t seq_len, int64_t elem
   // second time for kv.
   const int64_t whole = chunk == 1 ? 4 * tokens * d
                                    : 2 * tokens * d + 2 * tokens * d / chunk + (kv != n_head && kv % tp != 0 ? tokens * d : 0);
+  // In backward a row-parallel layer's gradient arrives as a chunk and is all-gathered: the
+  // collective's stacked buffer lives beside the whole gradient it is copied into, one whole
+  // tokens x d more than without sequence parallelism, where the gradient passes through.
+  const int64_t staging = chunk > 1 ? tokens * d : 0;
   const int64_t per_block = whole + 12 * tokens * d / tp + kv_out + attention + masks;
   // The embeddings' sum (the first block's input), tokens x d (a chunk of it under sequence
   // parallelism), and the head's peak (ln_f's output gathered whole for the head).
   const int64_t head = head_activation_bytes(batch, seq_len, element_size);
   // Checkpointed blocks keep only their input (the previous block's output, counted already), and
   // one block's activations exist again while backward recomputes it.
-  if (checkpointed) return ((n_layer + 1) * tokens * d / chunk + per_block) * element_size + head;
-  return (n_layer * per_block + tokens * d / chunk) * element_size + head;
+  if (checkpointed) return ((n_layer + 1) * tokens * d / chunk + per_block + staging) * element_size + head;
+  return (n_layer * per_block + tokens * d / chunk + staging) * element_size + head;
 }
 
 int64_t GPTConfig::head_activation_bytes(int64_t batch, int64_t seq_len, int64_t element_size) const {
@@ -212,7 +216,7 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   // from this TP rank's own stream. Otherwise they are whole on every TP rank: the default
   // generator, seeded alike across the TP group (fsdp::seed_tensor_parallel_rng).
   auto drop = [&](const torch::Tensor& t) {
-    if (dropout == 0) return t;
+    if (dropout == 0 || !is_training()) return t;
     fsdp::TensorParallelRngScope chunk(fsdp::sequence_parallel_of(mlp->fc->weight));
     return torch::dropout(t, dropout, is_training());
   };

@@ -158,17 +158,21 @@ T5FeedForwardImpl::T5FeedForwardImpl(const T5Config& c) {
 }
 
 torch::Tensor T5FeedForwardImpl::forward(const torch::Tensor& x) {
-  const torch::Tensor h = torch::relu(fsdp::column_parallel(wi, x));
-  // Under tensor parallelism h is this rank's features: masks from its own stream.
-  const auto split = fsdp::tensor_parallel_placement(wi->weight);
-  fsdp::TensorParallelRngScope features(split ? split->tp : nullptr);
-  return fsdp::row_parallel(wo, drop(h));
+  torch::Tensor h = torch::relu(fsdp::column_parallel(wi, x));
+  if (drop->options.p() > 0 && drop->is_training()) {
+    // Under tensor parallelism h is this rank's features: masks from its own stream.
+    const auto split = fsdp::tensor_parallel_placement(wi->weight);
+    fsdp::TensorParallelRngScope features(split ? split->tp : nullptr);
+    h = drop(h);
+  }
+  return fsdp::row_parallel(wo, h);
 }
 
 // A block's dropout on its sublayers' outputs: whole on every TP rank (the default generator,
 // seeded alike across the TP group), or under sequence parallelism this rank's chunk of the
 // sequence (its own stream).
 static torch::Tensor block_dropout(torch::nn::Dropout& drop, const T5FeedForward& ff, const torch::Tensor& t) {
+  if (drop->options.p() == 0 || !drop->is_training()) return t;
   fsdp::TensorParallelRngScope chunk(fsdp::sequence_parallel_of(ff->wi->weight));
   return drop(t);
 }

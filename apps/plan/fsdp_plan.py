@@ -537,11 +537,12 @@ def python_plan(model, args, compute_bytes, with_activations=True):
     # split layers' gathered inputs (whole), h and the block's output as chunks.
     chunk = tp if tp > 1 and args.sequence_parallel else 1
     whole = 4 * tokens * d if chunk == 1 else 2 * tokens * d + 2 * tokens * d // chunk
+    staging = tokens * d if chunk > 1 else 0  # a gathered gradient's staging buffer in backward, one at a time
     per_block = whole + 12 * tokens * d // tp + args.batch_per_rank * (model.heads // tp) * T * 4 // compute_bytes
     if args.activation_checkpointing:  # each block keeps its input; one block's again while recomputed
-        activations = ((model.layers + 1) * tokens * d // chunk + per_block) * compute_bytes + head_act
+        activations = ((model.layers + 1) * tokens * d // chunk + per_block + staging) * compute_bytes + head_act
     else:
-        activations = (model.layers * per_block + tokens * d // chunk) * compute_bytes + head_act
+        activations = (model.layers * per_block + tokens * d // chunk + staging) * compute_bytes + head_act
     if not with_activations:
         activations = head_act = 0
     unit_grads, reduce_buffer = block * compute_bytes, block * compute_bytes

@@ -58,14 +58,22 @@ void all_reduce_(at::Tensor& t, c10d::ReduceOp op, const TensorParallel& tp, con
 }
 
 at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what) {
-  at::Tensor moved = x.movedim(dim, 0).contiguous();
-  // Shaped as the parts stacked along dimension 0 (Gloo's all-gather compares each part's shape
-  // with the input's, so a flat buffer is refused for inputs of more than one dimension).
-  std::vector<int64_t> shape = moved.sizes().vec();
-  shape[0] *= tp.size();
-  at::Tensor all = at::empty(shape, moved.options());
-  run(tp, "all-gather", what, [&]() { return tp.group(moved.device().type())->_allgather_base(all, moved); });
-  return all.movedim(0, dim);
+  at::Tensor mine = x.contiguous();
+  // The parts stacked along dimension 0 as the collective lays them out (Gloo's all-gather compares
+  // each part's shape with the input's, so a flat buffer is refused for inputs of more than one
+  // dimension), then, for another dimension, put side by side along it in one copy, made here
+  // while the gathered buffer dies with this call: the operator after it (a matmul, forward or
+  // backward, folds only a contiguous input) would copy it again, and both would live together.
+  std::vector<int64_t> stacked = mine.sizes().vec();
+  stacked[0] *= tp.size();
+  at::Tensor all = at::empty(stacked, mine.options());
+  run(tp, "all-gather", what, [&]() { return tp.group(mine.device().type())->_allgather_base(all, mine); });
+  if (dim == 0) return all;
+  std::vector<int64_t> parts = {tp.size()};
+  parts.insert(parts.end(), mine.sizes().begin(), mine.sizes().end());
+  std::vector<int64_t> whole = mine.sizes().vec();
+  whole[static_cast<size_t>(dim)] *= tp.size();
+  return all.view(parts).movedim(0, dim).reshape(whole).contiguous();
 }
 
 at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what) {

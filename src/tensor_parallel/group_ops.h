@@ -21,7 +21,7 @@ std::shared_ptr<TensorParallel> by_key(int64_t key);
 
 // In place on `t` (a fresh, contiguous tensor). `what` names the tensor in the error.
 void all_reduce_(at::Tensor& t, c10d::ReduceOp op, const TensorParallel& tp, const char* what);
-// Every rank's `x` side by side along `dim`, in rank order (a new tensor).
+// Every rank's `x` side by side along `dim`, in rank order (a new, contiguous tensor).
 at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what);
 // The sum over the group of `x`, this rank's part of `dim` (which the group size divides).
 at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what);
