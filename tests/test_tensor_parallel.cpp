@@ -194,11 +194,12 @@ TEST(TensorParallel, AUsersOwnLayersTrainLikeLocal) {
 
 // Configurations of the user's own model drawn from a seed: the TP size (2 at DP 2, or 4), the
 // strategy, and any of the embedding split and in a unit of its own with ids past V / TP, the
-// module's embedding options, a QK-norm under its rule, the head tied to the embedding. Each
+// module's embedding options, a QK-norm under its rule, the head tied to the embedding, sequence
+// parallelism. Each
 // against local training (losses, clipping norm, every whole parameter after 5 SGD steps).
 void expect_random_configurations_like_local(unsigned first, unsigned last) {
   const char* strategies[] = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard --shard-size 1"};
-  const char* features[] = {"embed_unit", "embed_options", "qk_norm", "tied"};
+  const char* features[] = {"embed_unit", "embed_options", "qk_norm", "tied", "sp"};
   for (unsigned seed = first; seed < last; ++seed) {
     std::mt19937 rng(seed);
     const int tp = rng() % 3 == 0 ? 4 : 2;
