@@ -7,7 +7,11 @@
 // are in test_cluster.cpp.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iterator>
+
 #include "dist_test_util.h"
+#include "fault_tolerance/value_signing.h"
 
 namespace {
 
@@ -120,6 +124,144 @@ TEST(FaultTolerance, LiveReplicaGroupKilledAfterBackwardRejoinsAsIfScheduled) {
 TEST(FaultTolerance, OneRankKilledMidStepTakesItsGroupOutAndBack) {
   live_group_leaves_and_rejoins_as_if_scheduled(
       "FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_AFTER=forward FSDP_FAULT_KILL_RANKS=2");
+}
+
+// A job of two replica groups run by hand against fsdp-coordinator (as on a cluster), every process
+// with FSDP_LIVE_SECRET. With `replacement_flags`, ranks 2 and 3 (group 1) are killed at step 3,
+// then started again with those flags added. With `stray`, a Python program runs beside the job
+// with the store's port as its argument (a client without the secret). Returns the ranks' JSONL
+// rows, each process's exit code and output, and the coordinator's.
+struct HandRun {
+  std::vector<json> rows;
+  std::map<std::string, int> exit;           // "rank0".."rank3", "again2", "again3", "coordinator"
+  std::map<std::string, std::string> output;
+};
+
+HandRun live_job_by_hand(const std::string& job, const std::string& replacement_flags, const std::string& stray = "") {
+  const std::string dir = fsdp_test::fresh_dir("ft-hand");
+  const std::string script = dir + "/run.sh";
+  {
+    if (!stray.empty()) std::ofstream(dir + "/stray.py") << stray;
+    std::ofstream out(script);
+    out << "set -u\ncd " << dir << "\nexport FSDP_LIVE_SECRET=job-secret-for-this-test-0123\n"
+        << fsdp_test::bin_dir() << "/fsdp-coordinator --port 0 --start-timeout 60 --empty-timeout 20 > coordinator.log 2>&1 &\n"
+        << "C=$!\n"
+        << "for i in $(seq 100); do PORT=$(sed -n 's/.*listening on port \\([0-9]*\\).*/\\1/p' coordinator.log); "
+           "[ -n \"$PORT\" ] && break; sleep 0.1; done\n"
+        << "rank() { env RANK=$1 WORLD_SIZE=4 LOCAL_RANK=$1 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT "
+           "$2 " << fsdp_test::fsdp_train() << " " << job << " --metrics-jsonl m$1$3.jsonl $4 > $3rank$1.log 2>&1; "
+           "echo $? > $3rank$1.exit; }\n"
+        << (stray.empty() ? "" : "env -u FSDP_LIVE_SECRET " + std::string(FSDP_PYTHON) + " stray.py $PORT > stray.log 2>&1 & S=$!\n"
+                                         "while ! grep -q done stray.log; do sleep 0.1; done\n");
+    if (replacement_flags.empty()) {
+      out << "for r in 0 1 2 3; do rank $r \"\" \"\" \"\" & done\n";
+    } else {
+      out << "for r in 0 1 2 3; do rank $r \"FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_RANKS=2,3\" \"\" \"\" & done\n"
+          << "while [ ! -f rank2.exit ] || [ ! -f rank3.exit ]; do sleep 0.1; done\n"
+          << "for r in 2 3; do rank $r \"\" again \"" << replacement_flags << "\" & done\n";
+    }
+    out << "wait $C; echo $? > coordinator.exit\n[ -n \"${S:-}\" ] && kill $S 2>/dev/null; wait\n";
+  }
+  const auto run = sh("bash " + script, 300);
+  HandRun h;
+  for (const std::string name : {"rank0", "rank1", "rank2", "rank3", "againrank2", "againrank3", "coordinator", "stray"}) {
+    std::ifstream e(dir + "/" + name + ".exit"), o(dir + "/" + name + ".log");
+    int code = -1;
+    if (e >> code) h.exit[name] = code;
+    h.output[name] = std::string(std::istreambuf_iterator<char>(o), {});
+  }
+  for (const std::string f : {"m0", "m1", "m2", "m3", "m2again", "m3again"}) {
+    for (auto& r : read_jsonl(dir + "/" + f + ".jsonl")) h.rows.push_back(r);
+  }
+  return h;
+}
+
+// Issue 37, items 1 and 2: a replacement started with another model shape (--block-size 64: the
+// position table's rows) or another learning rate is not this job. Before, the shape's join
+// reported success and the next gradient average aborted the healthy group (SIGABRT), and the
+// learning rate's trained on silently apart (held-out loss 2.29 against 2.86). Now each is refused
+// by name before it asks to join, and the healthy group trains on to the end, with the bits of a
+// run told from the start that group 1 sits out from step 3.
+TEST(FaultTolerance, AReplacementOfAnotherJobIsRefusedAndTheHealthyGroupTrainsOn) {
+  // The tiny preset's block size (32) without the flag: the replacement adds --block-size 64.
+  const std::string job = std::string(" --model tiny --global-batch-size 8 ") + "--strategy hybrid_shard --shard-size 2 --live-replicas --steps 80 ";
+  const Result planned = train("", job + "--nproc-per-node 4 --live-schedule out:1@3");
+  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
+  const auto want = hashes(planned.rows);
+  ASSERT_EQ(want.size(), 4u) << planned.run.output;
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--block-size 64", "data is '/usr/share/common-licenses, global batch 8, block size 64' here"},
+           {"--lr 0.01", "optimizer is 'AdamW lr 0.01"}}) {
+    const HandRun h = live_job_by_hand(job, flags);
+    for (const std::string r : {"againrank2", "againrank3"}) {
+      EXPECT_NE(h.exit.at(r), 0) << flags << ": " << h.output.at(r);
+      EXPECT_NE(h.output.at(r).find("is not the same job as the live one: " + says), std::string::npos)
+          << flags << ": " << h.output.at(r);
+    }
+    EXPECT_EQ(h.exit.at("rank0"), 0) << flags << ": " << h.output.at("rank0");
+    EXPECT_EQ(h.exit.at("rank1"), 0) << flags << ": " << h.output.at("rank1");
+    EXPECT_EQ(h.exit.at("coordinator"), 0) << flags << ": " << h.output.at("coordinator");
+    const auto got = hashes(h.rows);
+    ASSERT_TRUE(got.count(0) && got.count(1)) << flags << ": " << h.output.at("rank0");
+    EXPECT_EQ(got.at(0)["hash"], want.at(0)["hash"]) << flags;
+    EXPECT_EQ(got.at(1)["hash"], want.at(1)["hash"]) << flags;
+  }
+}
+
+// Issue 37, items 3 and 4: a client that reaches the store's port without the job's secret writes,
+// before the job reaches them, a commit of every round, "ok" for every rank's step, and rounds,
+// joins and admissions that are garbage. Before, a forged
+// commit made two survivors apply different un-averaged updates, and one malformed join ended the
+// coordinator (stoi on every rank). Now nothing unauthenticated is acted on (the job's own writes
+// replace the forged values): the job trains every step, with the bits of the same job run
+// undisturbed. (A client that overwrites the job's keys faster than it writes them can stall it:
+// the secret guards what the job does, not whether it runs; docs/cluster.md.)
+TEST(FaultTolerance, AStrayClientCannotDecideCommitsOrCrashTheJob) {
+  const std::string job = kTiny + "--strategy hybrid_shard --shard-size 2 --live-replicas --steps 60 ";
+  const Result undisturbed = train("", job + "--nproc-per-node 4");
+  ASSERT_EQ(undisturbed.run.exit_code, 0) << undisturbed.run.output;
+  const auto want = hashes(undisturbed.rows);
+  ASSERT_EQ(want.size(), 4u) << undisturbed.run.output;
+  const std::string stray =
+      "import sys, time, datetime\n"
+      "import torch.distributed as dist\n"
+      "s = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))\n"
+      "p = 'fsdp/live/'\n"
+      "for q in range(0, 100):\n"
+      "    s.set(p + 'commit/%d' % q, '1')\n"
+      "    s.set(p + 'round/%d' % (q + 1), 'garbage')\n"
+      "    for g in range(4):\n"
+      "        s.set(p + 'done/%d/%d' % (q, g), 'ok')\n"
+      "for g in range(4):\n"
+      "    s.set(p + 'join/%d' % g, 'garbage')\n"
+      "    s.set(p + 'admit/%d/1' % g, 'garbage')\n"
+      "print('forged writes done', flush=True)\n"
+      "time.sleep(60)\n";
+  const HandRun h = live_job_by_hand(job, "", stray);
+  EXPECT_NE(h.output.at("stray").find("forged writes done"), std::string::npos) << h.output.at("stray");
+  for (const std::string r : {"rank0", "rank1", "rank2", "rank3", "coordinator"}) {
+    EXPECT_EQ(h.exit.at(r), 0) << r << ": " << h.output.at(r);
+  }
+  EXPECT_NE(h.output.at("coordinator").find("unauthenticated"), std::string::npos) << h.output.at("coordinator");
+  const auto got = hashes(h.rows);
+  ASSERT_EQ(got.size(), 4u) << h.output.at("rank0");
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(got.at(r)["hash"], want.at(r)["hash"]) << "rank " << r;
+}
+
+// The HMAC the store's values carry (RFC 4231's test cases 2 and 6), and a value signed for one
+// key is refused under another key or another secret.
+TEST(FaultTolerance, ValuesAreSignedWithTheJobsSecret) {
+  EXPECT_EQ(fsdp::detail::hmac_sha256_hex("Jefe", "what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  EXPECT_EQ(fsdp::detail::hmac_sha256_hex(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First"),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  const std::string secret = "0123456789abcdef-secret";
+  const std::string v = fsdp::detail::sign_value(secret, "commit/3", "1");
+  EXPECT_EQ(fsdp::detail::verify_value(secret, "commit/3", v), std::optional<std::string>("1"));
+  EXPECT_FALSE(fsdp::detail::verify_value(secret, "commit/4", v).has_value());
+  EXPECT_FALSE(fsdp::detail::verify_value(secret + "x", "commit/3", v).has_value());
+  EXPECT_FALSE(fsdp::detail::verify_value(secret, "commit/3", "1").has_value());
+  EXPECT_EQ(fsdp::detail::sign_value("", "commit/3", "1"), "1");  // no secret: values as they are
 }
 
 TEST(FaultTolerance, LiveReplicasWithNothingToKeepOrNoCoordinatorAreRefused) {

@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   fsdp::CoordinatorOptions o;
   double dead_after = -1, start_timeout = 120, empty_timeout = 600;
   app.add_option("--port", o.port, "the port the ranks reach it on (their MASTER_PORT)")->capture_default_str();
+  app.add_option("--bind", o.bind_address,
+                 "listen on this IPv4 address only (default: every interface; 127.0.0.1: this machine's ranks only)");
   app.add_option("--events", o.events_jsonl, "append every decision to this file, one JSON object per line");
   app.add_option("--dead-after", dead_after,
                  "seconds without a heartbeat after which a rank is gone (default 3; FSDP_LIVE_DEAD_AFTER_S)");
@@ -33,6 +35,11 @@ int main(int argc, char** argv) {
   }
   try {
     const fsdp::CoordinatorOptions env = fsdp::CoordinatorOptions::from_environment();
+    o.secret = env.secret;
+    if (o.secret.empty()) {
+      std::cerr << "fsdp-coordinator: no FSDP_LIVE_SECRET: values in the store are not authenticated, so anyone who "
+                   "reaches this port can decide commits; set the same secret here and on every rank\n";
+    }
     o.dead_after = dead_after > 0 ? std::chrono::milliseconds(static_cast<int64_t>(dead_after * 1000)) : env.dead_after;
     o.start_timeout = std::chrono::milliseconds(static_cast<int64_t>(start_timeout * 1000));
     o.empty_timeout = std::chrono::milliseconds(static_cast<int64_t>(empty_timeout * 1000));

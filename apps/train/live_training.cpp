@@ -58,6 +58,23 @@ std::unique_ptr<LiveTraining> LiveTraining::connect(const Config& c, const fsdp:
   return std::unique_ptr<LiveTraining>(new LiveTraining(c, fsdp::LiveReplicas::connect(env, o)));
 }
 
+void LiveTraining::declare_identity(const torch::nn::Module& model, const std::string& workload) {
+  auto exact = [](double v) {
+    std::ostringstream s;
+    s.precision(17);
+    s << v;
+    return s.str();
+  };
+  live_->declare_identity({
+      {"model", workload + ", " + fsdp::parameters_identity(model)},
+      {"optimizer", "AdamW lr " + exact(c_.lr) + " weight decay " + exact(c_.weight_decay) + " clip " + exact(c_.clip)},
+      {"strategy", c_.strategy + " mixed precision " + c_.mixed_precision},
+      {"data", c_.data + ", global batch " + std::to_string(c_.global_batch) + ", block size " +
+                   std::to_string(c_.block_size)},
+      {"seed", std::to_string(c_.seed)},
+  });
+}
+
 bool LiveTraining::prints() const { return live_->replica_mesh()->rank() == 0; }
 
 nlohmann::json LiveTraining::event(const std::string& name) const {

@@ -42,6 +42,10 @@ class LiveTraining {
   // round's members, and commits. False: the step is discarded (logged); the loop redoes it.
   bool end_step(const std::vector<torch::Tensor>& params, double* loss, double step_ms, JsonlWriter& out);
   // The lowest member of the round saves checkpoints and writes the model: one copy of each.
+  // Declares the job's identity (fsdp::LiveReplicas::declare_identity): the model's parameter
+  // names, shapes and dtypes (before sharding), the optimizer and its settings, the strategy, the
+  // data and the seed. Throws, naming what differs, when they are not the live job's.
+  void declare_identity(const torch::nn::Module& model, const std::string& workload);
   bool is_writer() const { return !members_.empty() && members_.front() == live_->replica(); }
   bool prints() const;  // this group's first rank, when it writes
   void finish() { live_->finish(); }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -29,6 +30,17 @@ namespace {
 // every rank) and the launcher, which starts a failed rank again alone so that it joins the groups
 // that trained on (fsdp/launch.h, RestartScope::rank).
 int launch_live_locally(std::vector<char*>& args) {
+  // A secret for this job's values in the store (fsdp/fault_tolerance.h, CoordinatorOptions::secret),
+  // which the ranks inherit, unless the user gave one.
+  if (!std::getenv("FSDP_LIVE_SECRET") && !std::getenv("FSDP_LIVE_SECRET_FILE")) {
+    std::ifstream random("/dev/urandom", std::ios::binary);
+    unsigned char bytes[24] = {};
+    random.read(reinterpret_cast<char*>(bytes), sizeof(bytes));
+    if (!random) throw std::runtime_error("fsdp-train: cannot read /dev/urandom for the live job's secret");
+    std::string secret;
+    for (unsigned char b : bytes) secret += "0123456789abcdef"[b >> 4], secret += "0123456789abcdef"[b & 15];
+    ::setenv("FSDP_LIVE_SECRET", secret.c_str(), 1);
+  }
   auto port = std::make_shared<std::promise<int>>();
   auto verdict = std::make_shared<std::promise<int>>();
   auto decided = std::make_shared<std::atomic<bool>>(false);
@@ -38,6 +50,7 @@ int launch_live_locally(std::vector<char*>& args) {
     try {
       fsdp::CoordinatorOptions o = fsdp::CoordinatorOptions::from_environment();
       o.port = 0;
+      o.bind_address = "127.0.0.1";  // this machine's ranks only
       o.on_end = [decided](int) { *decided = true; };
       verdict->set_value(fsdp::run_coordinator(o, [&](int p) {
         listening = true;

@@ -276,6 +276,8 @@ int train(const Config& c) {
   if (tp) fsdp::parallelize(*model, tp, workload->tensor_parallel_plan());
   workload->configure(options, *model, micro_batch, element, c.activation_checkpointing);  // this model's own modules
   if (c.activation_checkpointing) workload->apply_checkpointing(*model);
+  // A replacement proves it is this job before it asks to join (its model's shapes, its optimizer).
+  if (live) live->declare_identity(*model, workload->name());
   if (deferred) {
     options.init_device = device;
   } else if (device.is_cuda()) {

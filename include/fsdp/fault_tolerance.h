@@ -21,11 +21,13 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include "fsdp/mesh.h"
@@ -45,10 +47,20 @@ struct CoordinatorOptions {
   // below the ranks' FSDP_LIVE_TIMEOUT_S (120 s), which bounds their wait for the next decision.
   std::chrono::milliseconds ready_timeout{std::chrono::seconds(60)};
   std::string events_jsonl;  // its decisions, one JSON object per line ("" : stderr only)
+  // Where the store listens: "" every interface (a cluster's coordinator, reached by every host),
+  // "127.0.0.1" one machine's ranks only (the local launcher's).
+  std::string bind_address;
+  // The job's secret (FSDP_LIVE_SECRET, or the first line of FSDP_LIVE_SECRET_FILE; at least 16
+  // characters): every value the ranks and the coordinator write carries an HMAC-SHA256 under it,
+  // and a value without the right one is never acted on (a client that reaches the port without
+  // the secret can disturb the job, never make a rank apply a step or take a state). Empty: values
+  // are not authenticated (one host's loopback, or a network only the job's hosts reach). The
+  // ranks must hold the same secret. The local launcher makes one for each job.
+  std::string secret;
   // Called once the job's end is decided, before the coordinator lingers for the last ranks: with
   // 0 when every step was trained, 1 when no group with the job's state is left.
   std::function<void(int verdict)> on_end;
-  static CoordinatorOptions from_environment();  // the defaults with FSDP_LIVE_DEAD_AFTER_S applied
+  static CoordinatorOptions from_environment();  // the defaults with FSDP_LIVE_DEAD_AFTER_S and the secret applied
 };
 
 // Hosts the ranks' store on `port` and decides every round until all members finished training
@@ -67,6 +79,8 @@ struct LiveOptions {
   // how long its heartbeat may go unanswered (a cut link) before a watchdog stops the process.
   // Environment: FSDP_LIVE_TIMEOUT_S (default 120 s).
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  // The job's secret, as the coordinator's (CoordinatorOptions::secret); from the environment.
+  std::string secret;
   static LiveOptions from_environment();
 };
 
@@ -74,6 +88,11 @@ struct LiveOptions {
 // the world size, leave at least 2 groups, and be whole hosts or divide one. LiveReplicas::connect
 // checks it on every rank; a launcher can check it before it starts any.
 void check_live_layout(int world_size, int local_world_size, int ranks_per_replica);
+
+// An identity item for a model (LiveReplicas::declare_identity): its parameters' count of elements
+// and a digest of their names, shapes and dtypes. Call it on the model as built, before fsdp wraps
+// it (a wrapped model's parameters are this rank's shards).
+std::string parameters_identity(const torch::nn::Module& model);
 
 // What changed at the start of a round, for the log.
 struct LiveRound {
@@ -107,6 +126,14 @@ class LiveReplicas {
   int replicas() const;    // R, the job's groups when all are in
   int generation() const;  // 1 for the ranks the job started with, then one more per replacement
   bool is_replacement() const { return generation() > 1; }
+
+  // What makes this job this job, item by item (fsdp-train declares the model's structure, shapes
+  // and dtypes, the optimizer and its hyper-parameters, the strategy, the data and the seed): every
+  // rank and every replacement must declare the same before its first round. The first rank's
+  // declaration is the job's; a rank whose items differ is refused here, with std::invalid_argument
+  // naming the first item that differs and both values, before it asks to join and before any
+  // state moves, so the groups in the job train on. A second call must declare the same items.
+  void declare_identity(const std::map<std::string, std::string>& items);
 
   // Waits for the coordinator's next round. `held_step` is the step this rank's state is at (the
   // next step it would run). When a group joins, the source group's values of `params` (this

@@ -19,9 +19,18 @@
 #include <stdexcept>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "fault_tolerance/quorum.h"
+#include "fault_tolerance/value_signing.h"
 
 namespace fsdp {
 namespace {
@@ -75,9 +84,24 @@ class Coordinator {
     Clock::time_point changed;
   };
 
-  bool has(const std::string& key) { return store_->check({kLivePrefix + key}); }
-  std::string get(const std::string& key) { return detail::to_string(store_->get(kLivePrefix + key)); }
-  void set(const std::string& key, const std::string& value) { store_->set(kLivePrefix + key, detail::to_bytes(value)); }
+  // Whether `key` holds an authentic value: a forged or damaged one counts as none (the rank's own
+  // write, when it comes, replaces it).
+  bool has(const std::string& key) { return store_->check({kLivePrefix + key}) && read(key).has_value(); }
+  // A value as a rank wrote it, when it carries the job's secret (value_signing.h); nullopt for
+  // one that does not (forged, or a process without the secret), said once.
+  std::optional<std::string> read(const std::string& key) {
+    const std::string stored = detail::to_string(store_->get(kLivePrefix + key));
+    auto value = detail::verify_value(options_.secret, key, stored);
+    if (!value && malformed_.insert(key + "=" + stored).second) {
+      event({{"event", "unauthenticated"}, {"key", key}, {"value", stored.substr(0, 80)}}, true);
+    }
+    return value;
+  }
+  // The value, or "" (which no rank writes) for one that is not authentic.
+  std::string get(const std::string& key) { return read(key).value_or(""); }
+  void set(const std::string& key, const std::string& value) {
+    store_->set(kLivePrefix + key, detail::to_bytes(detail::sign_value(options_.secret, key, value)));
+  }
   void erase(const std::string& key) { store_->deleteKey(kLivePrefix + key); }
 
   void event(nlohmann::json j, bool print) {
@@ -96,7 +120,19 @@ class Coordinator {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    config_ = detail::LiveConfig::decode(get("config"));
+    const auto config = read("config");
+    if (!config) {
+      event({{"event", "error"}, {"why", "the job's config does not carry this coordinator's secret: start the ranks and "
+                                         "the coordinator with the same FSDP_LIVE_SECRET (or FSDP_LIVE_SECRET_FILE)"}},
+            true);
+      return false;
+    }
+    try {
+      config_ = detail::LiveConfig::decode(*config);
+    } catch (const std::exception& e) {
+      event({{"event", "error"}, {"why", e.what()}}, true);
+      return false;
+    }
     if (config_.world_size < 1 || config_.ranks_per_replica < 1 || config_.world_size % config_.ranks_per_replica != 0) {
       event({{"event", "error"}, {"why", "the ranks' config is damaged: " + get("config")}}, true);
       return false;
@@ -118,7 +154,9 @@ class Coordinator {
     for (int g = 0; g < config_.world_size; ++g) {
       const std::string key = "hb/" + std::to_string(g);
       if (!has(key)) continue;
-      const std::string v = get(key);
+      const auto beat = read(key);
+      if (!beat) continue;  // not the rank's: its last authentic beat stands
+      const std::string& v = *beat;
       auto& b = beats_[static_cast<size_t>(g)];
       if (v != b.value) {
         b.value = v;
@@ -127,8 +165,9 @@ class Coordinator {
     }
   }
   int beat_generation(int g) const {
-    const std::string& v = beats_[static_cast<size_t>(g)].value;
-    return v.empty() ? 0 : std::stoi(v.substr(0, v.find(':')));
+    // A malformed beat (not "gen:counter") is no generation's: that rank looks gone.
+    const auto beat = detail::parse_pair(beats_[static_cast<size_t>(g)].value);
+    return beat ? static_cast<int>(beat->first) : 0;
   }
   bool alive(int g, int generation) const {
     const auto& b = beats_[static_cast<size_t>(g)];
@@ -152,8 +191,17 @@ class Coordinator {
         const std::string key = "join/" + std::to_string(g);
         if (!has(key)) { complete = false; break; }
         const std::string v = get(key);
-        const int their_gen = std::stoi(v.substr(0, v.find(':')));
-        const int64_t their_step = std::stoll(v.substr(v.find(':') + 1));
+        const auto join = detail::parse_pair(v);
+        if (!join) {
+          // Not "gen:step": not a rank of this protocol (or a stray client). Said once, then ignored.
+          if (malformed_.insert(key + "=" + v).second) {
+            event({{"event", "malformed"}, {"key", key}, {"value", v.substr(0, 80)}}, true);
+          }
+          complete = false;
+          break;
+        }
+        const int their_gen = static_cast<int>(join->first);
+        const int64_t their_step = join->second;
         if ((gen >= 0 && their_gen != gen) || (step >= 0 && their_step != step) || !alive(g, their_gen)) {
           complete = false;
           break;
@@ -400,6 +448,7 @@ class Coordinator {
   std::set<int> held_out_;
   std::set<int> needs_state_;  // members that have not yet got the job's state in a committed round
   std::vector<Beat> beats_;
+  std::set<std::string> malformed_;  // malformed values already reported (key=value)
   Clock::time_point last_poll_{};
   bool waiting_logged_ = false;
 };
@@ -408,6 +457,7 @@ class Coordinator {
 
 CoordinatorOptions CoordinatorOptions::from_environment() {
   CoordinatorOptions o;
+  o.secret = detail::live_secret_from_environment();
   const char* raw = std::getenv("FSDP_LIVE_DEAD_AFTER_S");
   if (raw != nullptr && *raw != '\0') {
     char* end = nullptr;
@@ -423,6 +473,31 @@ CoordinatorOptions CoordinatorOptions::from_environment() {
 int run_coordinator(const CoordinatorOptions& options, const std::function<void(int)>& on_listening) {
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(options.port);
+  if (!options.bind_address.empty()) {
+    // The store binds every interface by itself; a socket bound here, listening, is handed to it.
+    in_addr address{};
+    if (::inet_pton(AF_INET, options.bind_address.c_str(), &address) != 1) {
+      throw std::invalid_argument("fsdp-coordinator: cannot bind '" + options.bind_address +
+                                  "': give an IPv4 address of this host (127.0.0.1 for this machine's ranks only)");
+    }
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    at.sin_port = htons(static_cast<uint16_t>(options.port));
+    at.sin_addr = address;
+    socklen_t len = sizeof(at);
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof(at)) != 0 || ::listen(fd, 128) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len) != 0) {
+      const std::string why = std::strerror(errno);
+      if (fd >= 0) ::close(fd);
+      throw std::runtime_error("fsdp-coordinator: cannot listen on " + options.bind_address + ":" +
+                               std::to_string(options.port) + " (" + why + ")");
+    }
+    so.port = ntohs(at.sin_port);
+    so.masterListenFd = fd;
+  }
   so.isServer = true;
   so.waitWorkers = false;
   so.timeout = std::chrono::seconds(60);

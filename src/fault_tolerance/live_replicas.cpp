@@ -26,7 +26,9 @@
 
 #include "checkpoint/optimizer_state.h"
 #include "comm/mesh_state.h"
+#include "fault_tolerance/job_identity.h"
 #include "fault_tolerance/quorum.h"
+#include "fault_tolerance/value_signing.h"
 
 namespace fsdp {
 namespace {
@@ -103,6 +105,7 @@ void unpack(const Packed& p, std::vector<at::Tensor>& tensors) {
 LiveOptions LiveOptions::from_environment() {
   LiveOptions o;
   o.timeout = seconds_from_env("FSDP_LIVE_TIMEOUT_S", o.timeout);
+  o.secret = detail::live_secret_from_environment();
   return o;
 }
 
@@ -137,23 +140,43 @@ struct LiveReplicas::Impl {
                              std::to_string(env.master_port) + ": it is gone or unreachable, and with it who is in each "
                              "step: restart the job from its newest checkpoint (scripts/cluster --max-restarts does). (" + first_line(e.what()) + ")");
   }
-  bool has(const std::string& k) {
+  // The value of `k` when it carries the job's secret (value_signing.h); nullopt for one that does not.
+  std::optional<std::string> read(const std::string& k) {
+    std::string stored;
     try {
-      return store->check({key(k)});
+      stored = detail::to_string(store->get(key(k)));
     } catch (const std::exception& e) {
       lost("lost", e);
     }
+    return detail::verify_value(options.secret, k, stored);
   }
-  std::string get(const std::string& k) {
+  // Whether `k` holds an authentic value: a forged one counts as none.
+  bool has(const std::string& k) {
     try {
-      return detail::to_string(store->get(key(k)));
+      if (!store->check({key(k)})) return false;
     } catch (const std::exception& e) {
       lost("lost", e);
+    }
+    return read(k).has_value();
+  }
+  // The authentic value of `k` (which exists): a forged one is never acted on; the coordinator's
+  // write replaces it, so this waits for that, up to the timeout.
+  std::string get(const std::string& k) {
+    const auto t0 = Clock::now();
+    while (true) {
+      if (auto value = read(k)) return *value;
+      if (Clock::now() - t0 > options.timeout) {
+        throw std::runtime_error("fsdp: rank " + me() + ": the value of '" + k + "' in the live replicas' store has not "
+                                 "carried the job's secret for " + std::to_string(options.timeout.count() / 1000) +
+                                 " s: another client keeps writing it, or the coordinator runs without this rank's "
+                                 "FSDP_LIVE_SECRET. This rank acts on nothing unauthenticated and stops");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
   void set(const std::string& k, const std::string& v) {
     try {
-      store->set(key(k), detail::to_bytes(v));
+      store->set(key(k), detail::to_bytes(detail::sign_value(options.secret, k, v)));
     } catch (const std::exception& e) {
       lost("lost", e);
     }
@@ -190,7 +213,7 @@ struct LiveReplicas::Impl {
     while (!work->isCompleted()) {
       if (Clock::now() - last_check > std::chrono::milliseconds(50)) {
         last_check = Clock::now();
-        if (has(commit) && get(commit) == "0") {
+        if (has(commit) && read(commit) == std::optional<std::string>("0")) {
           poisoned = true;
           throw std::runtime_error("the coordinator discarded the round while this rank waited for its peers");
         }
@@ -331,8 +354,21 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
   impl->store = client(env, mesh_options.init_timeout);
   detail::LiveConfig cfg{env.world_size, F, options.total_steps, options.schedule};
   const std::string mine = cfg.encode();
-  const std::string theirs =
-      detail::to_string(impl->store->compareSet(impl->key("config"), {}, detail::to_bytes(mine)));
+  const std::string stored = detail::to_string(
+      impl->store->compareSet(impl->key("config"), {}, detail::to_bytes(detail::sign_value(options.secret, "config", mine))));
+  const auto authentic = detail::verify_value(options.secret, "config", stored);
+  if (!authentic) {
+    throw std::invalid_argument("fsdp: this rank (" + impl->me() + ") holds a job secret the job's config was not written "
+                                "with (or the job has one and this rank none): give every rank and the coordinator the "
+                                "same FSDP_LIVE_SECRET (or FSDP_LIVE_SECRET_FILE)");
+  }
+  const std::string& theirs = *authentic;
+  if (theirs.rfind(detail::kLiveProtocol + " ", 0) != 0) {
+    throw std::invalid_argument("fsdp: this rank (" + impl->me() + ") speaks the live replicas' protocol " +
+                                detail::kLiveProtocol + ", but the job's config reads '" + theirs.substr(0, 80) +
+                                "': a rank of another fsdp build (or not fsdp) started the job; run the same build on "
+                                "every rank");
+  }
   if (theirs != mine) {
     throw std::invalid_argument("fsdp: this rank (" + impl->me() + ") was started as '" + mine +
                                 "' (world size, shard size, steps, schedule) but the job's first rank as '" + theirs +
@@ -351,7 +387,8 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
     const std::string k = p->key("hb/" + p->me());
     while (!p->stop) {
       try {
-        beat_store->set(k, detail::to_bytes(std::to_string(p->gen) + ":" + std::to_string(n++)));
+        beat_store->set(k, detail::to_bytes(detail::sign_value(p->options.secret, "hb/" + p->me(),
+                                                                std::to_string(p->gen) + ":" + std::to_string(n++))));
         p->last_beat_ms = now_ms();
       } catch (const std::exception&) {
         return;  // the coordinator is gone: the main thread's next wait says so
@@ -397,6 +434,25 @@ int LiveReplicas::replica() const { return impl_->replica; }
 int LiveReplicas::replicas() const { return impl_->R; }
 int LiveReplicas::generation() const { return impl_->gen; }
 
+void LiveReplicas::declare_identity(const std::map<std::string, std::string>& items) {
+  Impl& s = *impl_;
+  const std::string mine = detail::encode_identity(items);
+  std::string stored;
+  try {
+    stored = detail::to_string(
+        s.store->compareSet(s.key("identity"), {}, detail::to_bytes(detail::sign_value(s.options.secret, "identity", mine))));
+  } catch (const std::exception& e) {
+    s.lost("lost", e);
+  }
+  const std::string theirs = detail::verify_value(s.options.secret, "identity", stored).value_or(stored);
+  if (auto why = detail::identity_difference(mine, theirs)) {
+    throw std::invalid_argument("fsdp: rank " + s.me() + " (replica group " + std::to_string(s.replica) + ", generation " +
+                                std::to_string(s.gen) + ") is not the same job as the live one: " + *why +
+                                ". It does not join, and the groups in the job train on; start it with the job's "
+                                "flags (model, optimizer, strategy, data, seed)");
+  }
+}
+
 LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tensor>& params,
                                    torch::optim::Optimizer* optimizer) {
   Impl& s = *impl_;
@@ -419,10 +475,21 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      s.next_round = std::stoll(s.get(admit));
+      const auto admitted = detail::parse_integer(s.get(admit));
+      if (!admitted) {
+        throw std::runtime_error("fsdp: rank " + s.me() + ": the coordinator's admission '" + s.get(admit).substr(0, 80) +
+                                 "' is not a round number: the store holds a value no coordinator wrote");
+      }
+      s.next_round = *admitted;
       s.erase(admit);  // a group that sits out later asks again under the same name
     }
-    s.round = Round::from_json(nlohmann::json::parse(s.wait_for("round/" + std::to_string(s.next_round), "round")));
+    const std::string decision = s.wait_for("round/" + std::to_string(s.next_round), "round");
+    try {
+      s.round = Round::from_json(nlohmann::json::parse(decision));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("fsdp: rank " + s.me() + ": round " + std::to_string(s.next_round) + " in the store ('" +
+                               decision.substr(0, 80) + "') is not a decision the coordinator wrote: " + first_line(e.what()));
+    }
     if (!s.round.has(s.replica)) {
       const bool sitting_out = std::count(s.round.sitting_out.begin(), s.round.sitting_out.end(), s.replica) > 0;
       if (!sitting_out) {
@@ -488,7 +555,15 @@ bool LiveReplicas::commit(bool ok, const std::string& why) {
   Impl& s = *impl_;
   const std::string q = std::to_string(s.round.number);
   s.set("done/" + q + "/" + s.me(), ok ? "ok" : "fail: " + why);
-  const bool committed = s.wait_for("commit/" + q, "verdict") == "1";
+  const std::string verdict = s.wait_for("commit/" + q, "verdict");
+  if (!ok && verdict == "1") {
+    // The coordinator commits only when every member said "ok", and this rank said it failed: the
+    // verdict is forged or damaged. Applying it would step from gradients this rank did not average.
+    throw std::runtime_error("fsdp: rank " + s.me() + ": round " + q + " reads committed, but this rank's own average "
+                             "failed (" + why + "): the verdict is not the coordinator's. This rank stops rather than "
+                             "apply a step it did not average; restart it to rejoin");
+  }
+  const bool committed = verdict == "1";
   s.next_round = s.round.number + 1;
   if (!committed) {
     // The group is rebuilt for the redo. Where this rank's own collectives completed (ok), it has

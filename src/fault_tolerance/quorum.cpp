@@ -70,17 +70,47 @@ std::vector<ScheduledChange> parse_schedule(const std::string& text, int replica
 }
 
 std::string LiveConfig::encode() const {
-  return std::to_string(world_size) + " " + std::to_string(ranks_per_replica) + " " + std::to_string(total_steps) +
-         " " + schedule;
+  return kLiveProtocol + " " + std::to_string(world_size) + " " + std::to_string(ranks_per_replica) + " " +
+         std::to_string(total_steps) + " " + schedule;
 }
 
 LiveConfig LiveConfig::decode(const std::string& text) {
   LiveConfig c;
   std::istringstream in(text);
+  std::string version;
+  in >> version;
+  if (version != kLiveProtocol) {
+    throw std::runtime_error("fsdp: the live job's config '" + text.substr(0, 80) + "' is not of protocol " + kLiveProtocol);
+  }
   in >> c.world_size >> c.ranks_per_replica >> c.total_steps;
   std::getline(in >> std::ws, c.schedule);
   if (!in.eof() && in.fail()) throw std::runtime_error("fsdp: the live job's config '" + text + "' is damaged");
   return c;
+}
+
+std::optional<std::pair<int64_t, int64_t>> parse_pair(const std::string& text) {
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) return std::nullopt;
+  try {
+    size_t used_a = 0, used_b = 0;
+    const std::string a = text.substr(0, colon), b = text.substr(colon + 1);
+    const int64_t x = std::stoll(a, &used_a), y = std::stoll(b, &used_b);
+    if (used_a != a.size() || used_b != b.size() || a.empty() || b.empty()) return std::nullopt;
+    return std::make_pair(x, y);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::optional<int64_t> parse_integer(const std::string& text) {
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(text, &used);
+    if (used != text.size()) return std::nullopt;
+    return v;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
 }
 
 std::string to_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }

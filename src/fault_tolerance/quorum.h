@@ -2,7 +2,7 @@
 // (live_replicas.cpp), spoken through the store the coordinator hosts. Every key is under
 // "fsdp/live/"; g is a global rank, r a replica group, q a round:
 //
-//   config                 "W F steps schedule" of the job; the first rank sets it, the others
+//   config                 "fsdp-live/2 W F steps schedule" of the job (the protocol's version first); the first rank sets it, the others
 //                          must find the same (a mismatched launch is refused before training)
 //   incarnation/g          a counter: the generation of each process that has been rank g
 //   hb/g                   "gen:counter", rewritten every heartbeat by a thread of rank g
@@ -23,6 +23,8 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -31,6 +33,8 @@
 namespace fsdp::detail {
 
 inline const std::string kLivePrefix = "fsdp/live/";
+// The protocol's version, first in the config: a rank of another build is refused by name.
+inline const std::string kLiveProtocol = "fsdp-live/2";
 
 struct Round {
   int64_t number = 0;
@@ -67,6 +71,11 @@ struct LiveConfig {
   std::string encode() const;
   static LiveConfig decode(const std::string& text);
 };
+
+// Values the ranks write, read defensively (a malformed one is nullopt, never an exception that
+// would end the coordinator): "a:b" of two integers (a heartbeat's or a join's), one integer.
+std::optional<std::pair<int64_t, int64_t>> parse_pair(const std::string& text);
+std::optional<int64_t> parse_integer(const std::string& text);
 
 std::string to_string(const std::vector<uint8_t>& bytes);
 std::vector<uint8_t> to_bytes(const std::string& text);
