@@ -143,7 +143,7 @@ torch::Tensor CausalSelfAttentionImpl::grouped_query(const torch::Tensor& x) {
     kv_out = fsdp::column_parallel(kv, x);
     kv_first = kv_split ? tp_rank * (kv_out.size(-1) / 2 / hd) : 0;
   } else {
-    kv_out = kv(q_split->tp->sequence_parallel() ? fsdp::gather_from_sequence_parallel_region(x, q_split->tp)
+    kv_out = kv(q_split->tp->sequence_parallel() ? fsdp::gather_from_sequence_parallel_region(x, q_split->tp, /*into_split_computation=*/true)
                                                   : fsdp::copy_to_tensor_parallel_region(x, q_split->tp));
   }
   const int64_t KV = kv_out.size(-1) / 2 / hd;

@@ -141,7 +141,9 @@ struct CastTensors<c10::Dict<K, V>> {
 // summon_full_params' choices (see there).
 struct SummonOptions {
   bool writeback = true;
-  bool rank0_only = false;  // other ranks gather one unit at a time and keep their shards
+  // Other ranks gather one unit at a time and keep their shards. Under tensor parallelism "rank 0"
+  // is data-parallel rank 0: the TP ranks of world ranks 0 .. TP-1 all hold the whole parameters.
+  bool rank0_only = false;
 };
 
 // What a wrapped model offers whatever its type: FullyShardedDataParallel<M> adds the typed
@@ -176,7 +178,8 @@ class FullyShardedDataParallelBase {
   // Values are the optimizer's (the master dtype, even with mixed precision); gradients stay
   // sharded. Under tensor parallelism a split parameter is whole too (its TP parts put together,
   // the tensor a FULL checkpoint holds, a padded vocabulary without its padding); with writeback
-  // each TP rank keeps its part of what the scope left in it. Collective over the TP groups too.
+  // each TP rank keeps its part of what the scope left in it, and a change made on some TP ranks
+  // only is discarded on every rank and refused as above. Collective over the TP groups too.
   class FullParams {
    public:
     ~FullParams();

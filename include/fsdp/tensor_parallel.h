@@ -52,7 +52,9 @@ struct TensorParallelOptions {
   // of the all-reduces they replace); the model enters the sequence region once, after its
   // embedding (scatter_to_sequence_parallel_region), and the parameters applied to chunks (the
   // norms' weights, a row-parallel layer's bias) are partial_gradient_rule parameters: each rank's
-  // gradient is its chunk's share. The sequence length must be a multiple of the TP size.
+  // gradient is its chunk's share. The sequence length must be a multiple of the TP size, and the
+  // split layers' inputs have three dimensions at least ([batch, sequence, features]); a layer on
+  // pooled features is written out (column_parallel refuses a 2-D input and says how).
   bool sequence_parallel = false;
   // The activations' sequence dimension: 1 for [batch, sequence, features].
   int64_t sequence_dim = 1;
@@ -190,9 +192,10 @@ at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x, const std::s
 // gather_from: the whole sequence from the chunks. Backward: with `into_split_computation` (what
 // column_parallel uses: each rank's gradient is its features' part) the gradients summed over the
 // group and this rank's chunk kept (a reduce-scatter); without it, this rank's chunk of its own
-// gradient (the whole sequence feeds computation every rank does alike).
+// gradient (the whole sequence feeds computation every rank does alike: a pooling, a replicated
+// head). No default: the wrong one gives gradients TP times too large, silently.
 at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp,
-                                                bool into_split_computation = true);
+                                                bool into_split_computation);
 // reduce_scatter_to: the sum of the ranks' partial results, this rank's chunk of the sequence (what
 // row_parallel uses); backward gathers the gradient.
 at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp);

@@ -57,7 +57,12 @@ void Runtime::check_replicated_gradients() {
                 std::to_string(tp->size()) + " tensor-parallel ranks (TP rank " + std::to_string(tp->rank()) +
                 "), which must all compute the same whole gradient for a parameter every one of them holds whole; "
                 "the optimizer step would let the replicas drift apart. Either such a parameter is applied to this "
-                "rank's part of split activations (a QK-norm over its heads, a per-head scale, key/value "
+                "rank's part of split activations (" +
+                std::string(tp->sequence_parallel()
+                                ? "under sequence parallelism: a norm or a row-parallel bias applied to this rank's "
+                                  "chunk of the sequence; or "
+                                : "") +
+                "a QK-norm over its heads, a per-head scale, key/value "
                 "projections replicated for fewer KV heads than TP ranks): name it in the plan with "
                 "fsdp::partial_gradient_rule, and fsdp sums its gradient over the TP group; or a split parameter "
                 "is used outside fsdp's tensor-parallel layers inside a TensorParallelLayerScope without the "

@@ -153,6 +153,22 @@ void expect_dim(const TensorParallelPlacement& p, int64_t dim, const char* layer
   }
 }
 
+// Under sequence parallelism a layer's activations are [batch, sequence, features] (or [sequence,
+// batch, features] with sequence_dim 0): at least three dimensions, the sequence's inside. A pooled
+// [batch, features] tensor has none to gather or scatter; treated as one, its batch would be taken
+// for the sequence (the gradients TP times too large) or fail later with a size error that names
+// nothing.
+void expect_sequence(const at::Tensor& x, const TensorParallel& tp, const char* layer) {
+  if (x.dim() >= std::max<int64_t>(3, tp.sequence_dim() + 2)) return;
+  throw std::invalid_argument(std::string("fsdp: under sequence parallelism ") + layer + "'s input is this rank's "
+                              "chunk of the sequence (dimension " + std::to_string(tp.sequence_dim()) + " of [batch, "
+                              "sequence, features] or [sequence, batch, features], three dimensions at least), and "
+                              "this input has " + std::to_string(x.dim()) + ": for features without a sequence "
+                              "(pooled), write the layer out inside a fsdp::TensorParallelLayerScope: at::linear("
+                              "fsdp::copy_to_tensor_parallel_region(x, tp), weight) for a column-parallel one, "
+                              "fsdp::reduce_from_tensor_parallel_region(at::linear(x, weight), tp) for a row-parallel one");
+}
+
 at::Tensor column_split(const TensorParallelPlacement& p, const at::Tensor& x, const at::Tensor& weight,
                         const at::Tensor& bias) {
   expect_dim(p, 0, "column_parallel");
@@ -163,18 +179,9 @@ at::Tensor column_split(const TensorParallelPlacement& p, const at::Tensor& x, c
                                 "the bias with it (fsdp::column_parallel_rule(pattern, parts, /*bias=*/true), or a rule "
                                 "{\"<layer>.bias\", {0, parts}})");
   }
-  if (p.tp->sequence_parallel() && x.dim() < p.tp->sequence_dim() + 2) {
-    // A pooled [batch, features] input has no sequence to gather: gathering its features would
-    // fail later with a size error that names nothing.
-    throw std::invalid_argument("fsdp: under sequence parallelism column_parallel's input is this rank's chunk of the "
-                                "sequence (dimension " + std::to_string(p.tp->sequence_dim()) + " of [batch, sequence, "
-                                "features]), and this input has " + std::to_string(x.dim()) + " dimensions: for "
-                                "features without a sequence (pooled), write the layer as at::linear("
-                                "fsdp::copy_to_tensor_parallel_region(x, tp), weight) inside a "
-                                "fsdp::TensorParallelLayerScope");
-  }
+  if (p.tp->sequence_parallel()) expect_sequence(x, *p.tp, "column_parallel");
   TensorParallelLayerScope layer;
-  const at::Tensor in = p.tp->sequence_parallel() ? gather_from_sequence_parallel_region(x, p.tp)
+  const at::Tensor in = p.tp->sequence_parallel() ? gather_from_sequence_parallel_region(x, p.tp, /*into_split_computation=*/true)
                                                   : CopyToRegion::apply(x, key_of(p.tp));
   return at::linear(in, weight, bias);
 }
@@ -185,6 +192,7 @@ at::Tensor row_split(const TensorParallelPlacement& p, const at::Tensor& x, cons
   if (bias.defined() && tensor_parallel_placement(bias)) {
     throw std::invalid_argument("fsdp: row_parallel's bias must be replicated (added once, after the reduction); the plan split it");
   }
+  if (p.tp->sequence_parallel()) expect_sequence(x, *p.tp, "row_parallel");
   TensorParallelLayerScope layer;
   const at::Tensor partial = at::linear(x, weight);
   const at::Tensor y = p.tp->sequence_parallel() ? reduce_scatter_to_sequence_parallel_region(partial, p.tp)
@@ -349,6 +357,16 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   if (!(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0)) {
     throw std::invalid_argument("fsdp::vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got " +
                                 std::to_string(options.label_smoothing));
+  }
+  if (!at::isIntegralType(targets.scalar_type(), /*includeBool=*/false)) {
+    throw std::invalid_argument(std::string("fsdp::vocab_parallel_cross_entropy: the targets are class indices, an "
+                                            "integer tensor (int64), not ") + c10::toString(targets.scalar_type()));
+  }
+  if (logits.dim() == 0 || logits.numel() / std::max<int64_t>(1, logits.size(-1)) != targets.numel()) {
+    throw std::invalid_argument("fsdp::vocab_parallel_cross_entropy: logits of shape " + c10::str(logits.sizes()) +
+                                " hold " + std::to_string(logits.dim() ? logits.numel() / std::max<int64_t>(1, logits.size(-1)) : 0) +
+                                " rows of classes and the targets (shape " + c10::str(targets.sizes()) + ") " +
+                                std::to_string(targets.numel()) + ": one target per row of logits");
   }
   const auto p = active(weight);
   if (!p) {

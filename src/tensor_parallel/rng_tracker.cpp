@@ -21,6 +21,7 @@ namespace {
 struct Streams {
   std::mutex mutex;
   std::optional<at::Generator> cpu, cuda;  // this TP rank's streams, once seeded
+  const TensorParallel* seeded_for = nullptr;  // whose TP rank they were seeded for
 };
 Streams& streams() {
   static Streams s;
@@ -59,6 +60,7 @@ void seed_tensor_parallel_rng(const std::shared_ptr<TensorParallel>& tp, uint64_
   const uint64_t own = seed * 0x9E3779B97F4A7C15ull + 2718ull + static_cast<uint64_t>(tp->rank());
   Streams& s = streams();
   std::lock_guard<std::mutex> lock(s.mutex);
+  s.seeded_for = tp.get();
   {
     at::Generator g = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> glock(g.mutex());
@@ -81,6 +83,17 @@ TensorParallelRngScope::TensorParallelRngScope(const std::shared_ptr<TensorParal
     return;
   }
   auto p = pairs();
+  const TensorParallel* seeded_for = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(streams().mutex);
+    seeded_for = streams().seeded_for;
+  }
+  if (!p.empty() && seeded_for != tp.get()) {
+    --t_depth;
+    throw std::logic_error("fsdp::TensorParallelRngScope: the TP streams were seeded for another TensorParallel (its "
+                           "TP ranks may not be this one's): call fsdp::seed_tensor_parallel_rng(tp, seed) for the "
+                           "TensorParallel whose layers draw the masks");
+  }
   if (p.empty()) {
     --t_depth;
     throw std::logic_error("fsdp::TensorParallelRngScope: dropout on split activations needs this TP rank's own "

@@ -24,13 +24,20 @@ using detail::reduce_scatter_along;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-void expect_divisible(const at::Tensor& x, const TensorParallel& tp, const char* what) {
+// The sequence dimension exists (and, to split it, divides into the group's chunks).
+void expect_sequence(const at::Tensor& x, const TensorParallel& tp, const char* what, bool split) {
   const int64_t dim = tp.sequence_dim();
-  if (dim >= x.dim() || x.size(dim) % tp.size() != 0) {
-    throw std::invalid_argument(std::string("fsdp::") + what + ": the sequence dimension (" + std::to_string(dim) +
-                                ") of a tensor of shape " + c10::str(x.sizes()) + " does not split into " +
-                                std::to_string(tp.size()) + " equal chunks: under sequence parallelism the sequence "
-                                "length must be a multiple of the TP size (pad it, or change --block-size)");
+  if (dim >= x.dim()) {
+    throw std::invalid_argument(std::string("fsdp::") + what + ": the sequence dimension is " + std::to_string(dim) +
+                                " (TensorParallelOptions::sequence_dim) and this tensor of shape " + c10::str(x.sizes()) +
+                                " has " + std::to_string(x.dim()) + " dimensions: pass the activations with their "
+                                "sequence dimension, or create the TensorParallel with the sequence_dim they use");
+  }
+  if (split && x.size(dim) % tp.size() != 0) {
+    throw std::invalid_argument(std::string("fsdp::") + what + ": the sequence (dimension " + std::to_string(dim) +
+                                " of shape " + c10::str(x.sizes()) + ") does not split into " + std::to_string(tp.size()) +
+                                " equal chunks: under sequence parallelism the sequence length must be a multiple of "
+                                "the TP size (pad the sequences to one)");
   }
 }
 
@@ -87,7 +94,7 @@ struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> 
 at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp) {
   if (!tp) throw std::invalid_argument("fsdp::scatter_to_sequence_parallel_region: the TensorParallel is null");
   if (tp->size() == 1) return x;
-  expect_divisible(x, *tp, "scatter_to_sequence_parallel_region");
+  expect_sequence(x, *tp, "scatter_to_sequence_parallel_region", /*split=*/true);
   return ScatterSequence::apply(x, key_of(tp));
 }
 
@@ -95,14 +102,14 @@ at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, const std::
                                                 bool into_split_computation) {
   if (!tp) throw std::invalid_argument("fsdp::gather_from_sequence_parallel_region: the TensorParallel is null");
   if (tp->size() == 1) return x;
-  if (tp->sequence_dim() >= x.dim()) expect_divisible(x, *tp, "gather_from_sequence_parallel_region");
+  expect_sequence(x, *tp, "gather_from_sequence_parallel_region", /*split=*/false);
   return GatherSequence::apply(x, key_of(tp), into_split_computation);
 }
 
 at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, const std::shared_ptr<TensorParallel>& tp) {
   if (!tp) throw std::invalid_argument("fsdp::reduce_scatter_to_sequence_parallel_region: the TensorParallel is null");
   if (tp->size() == 1) return x;
-  expect_divisible(x, *tp, "reduce_scatter_to_sequence_parallel_region");
+  expect_sequence(x, *tp, "reduce_scatter_to_sequence_parallel_region", /*split=*/true);
   return ReduceScatterSequence::apply(x, key_of(tp));
 }
 

@@ -399,8 +399,46 @@ void ShardedRoot::end_summon(bool writeback) noexcept {
   // Each rank writes back only its own shard of what it holds: a change made on some ranks only
   // would land half-applied (F = W: the elements the changing ranks own) or on some replicas only
   // (F < W), and training would go on from parameters no single process has. Compared first.
-  tp_summon_.end(writeback && summon_writes_);
-  if (writeback && summon_writes_ && mesh_->world_size() > 1) writeback = summoned_values_agree();
+  const bool asked = writeback && summon_writes_;
+  writeback = asked;
+  const bool split = tp_summon_.active();
+  if (asked && split) {
+    // Under TP each rank holds every parameter whole: compared across the TP ranks too (a change
+    // made on some TP ranks only would leave the replicated copies and the parts apart).
+    try {
+      const std::string name = tp_summon_.differing(*module_);
+      if (!name.empty()) {
+        writeback = false;
+        pending_refusal_ =
+            "fsdp: summon_full_params: the whole parameters written back when the scope ended differ across the "
+            "tensor-parallel ranks (parameter '" + name + "', and maybe more): a change made on some TP ranks only "
+            "would have left the replicated copies and the split parts apart. The changes were discarded on every "
+            "rank: the model is as it was before the scope. Make the same change on every rank.";
+      }
+    } catch (const std::exception& e) {
+      writeback = false;
+      pending_refusal_ = std::string("fsdp: summon_full_params: the check that every TP rank wrote back the same "
+                                     "values failed, so nothing was written back: ") + e.what();
+    }
+  }
+  tp_summon_.end(writeback);
+  if (writeback && mesh_->world_size() > 1) writeback = summoned_values_agree();
+  if (asked && split) {
+    // The data-parallel check ran per TP place: every rank keeps or discards together.
+    try {
+      if (tp_summon_.verdicts_differ(writeback)) {
+        writeback = false;
+        if (pending_refusal_.empty()) {
+          pending_refusal_ = "fsdp: summon_full_params: the whole parameters written back differ across the ranks of "
+                             "another tensor-parallel place's data-parallel group; the changes were discarded on every "
+                             "rank. Make the same change on every rank.";
+        }
+      }
+    } catch (const std::exception& e) {
+      writeback = false;
+      pending_refusal_ = std::string("fsdp: summon_full_params: the writeback check failed: ") + e.what();
+    }
+  }
   for (auto& u : units_) u->handle().end_summon(writeback);
   summoned_ = false;
   summon_writes_ = false;

@@ -2,9 +2,12 @@
 
 #include <unordered_set>
 
+#include "tensor_parallel/replica_agreement.h"
+
 namespace fsdp::detail {
 
 void TensorParallelSummon::begin(torch::nn::Module& module, bool held) {
+  tp_.reset();
   if (!held) return;
   std::unordered_set<const c10::TensorImpl*> seen;  // a tied weight is one parameter
   try {
@@ -14,6 +17,7 @@ void TensorParallelSummon::begin(torch::nn::Module& module, bool held) {
       auto placement = tensor_parallel_placement(p);
       if (!placement || placement->tp->size() == 1) continue;
       at::NoGradGuard no_grad;
+      tp_ = placement->tp;
       Swapped s{p, p.data(), {}, *placement};
       s.whole = tensor_parallel_whole(s.view, *placement);
       at::Tensor param = p;
@@ -24,6 +28,23 @@ void TensorParallelSummon::begin(torch::nn::Module& module, bool held) {
     end(/*writeback=*/false);
     throw;
   }
+}
+
+std::string TensorParallelSummon::differing(torch::nn::Module& module) const {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> values;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    names.push_back(item.key());
+    values.push_back(item.value().detach());
+  }
+  const auto differ = differ_across_tensor_parallel(*tp_, values);
+  return differ.empty() ? std::string() : names.at(differ.front());
+}
+
+bool TensorParallelSummon::verdicts_differ(bool verdict) const {
+  return !differ_across_tensor_parallel(*tp_, {at::full({1}, verdict ? 1.0 : 0.0, at::kDouble)}).empty();
 }
 
 void TensorParallelSummon::end(bool writeback) noexcept {
@@ -40,7 +61,7 @@ void TensorParallelSummon::end(bool writeback) noexcept {
     at::Tensor param = s.param;
     param.set_data(s.view);
   }
-  swapped_.clear();
+  swapped_.clear();  // tp_ stays: verdicts_differ() runs after end()
 }
 
 }  // namespace fsdp::detail

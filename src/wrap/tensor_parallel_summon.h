@@ -6,6 +6,8 @@
 // back into its view before fsdp writes the views back into the shards.
 #pragma once
 
+#include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -21,10 +23,18 @@ class TensorParallelSummon {
   // structure). `held`: this rank holds its parameters unsharded (rank0_only's other data-parallel
   // ranks do not, and neither do the other ranks of their TP group, which share their DP rank).
   void begin(torch::nn::Module& module, bool held);
+  // Before end() with writeback: the name of the first parameter of `module` (whole, split or not)
+  // whose value differs across the TP ranks of some data-parallel group, "" when none: a change
+  // made on some TP ranks only. The same answer on every rank (collective over the job).
+  std::string differing(torch::nn::Module& module) const;
+  // Whether `verdict` (each rank's writeback decision) differs across the TP ranks of some
+  // data-parallel group, on every rank alike (collective over the job): the data-parallel check
+  // runs per TP place, and every rank must keep or discard together.
+  bool verdicts_differ(bool verdict) const;
   // Local: this rank's part of each whole tensor into its view (with `writeback`), and the views
   // back in the parameters. Does not throw.
   void end(bool writeback) noexcept;
-  bool active() const { return !swapped_.empty(); }
+  bool active() const { return !swapped_.empty(); }  // begin() swapped parameters (until end())
 
  private:
   struct Swapped {
@@ -34,6 +44,7 @@ class TensorParallelSummon {
     TensorParallelPlacement placement;
   };
   std::vector<Swapped> swapped_;
+  std::shared_ptr<TensorParallel> tp_;  // of the swapped parameters
 };
 
 }  // namespace fsdp::detail

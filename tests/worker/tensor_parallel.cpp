@@ -22,6 +22,11 @@
 //                    on this rank's chunk of the tokens (the norms and down's bias declared
 //                    partial), pooled over the gathered sequence before the head
 //     sp_no_rule     (refused) sp without the partial rules: the norms' gradients differ
+//     sp_head_column (refused) sp with the sequence first (sequence_dim 0) and the head through
+//                    column_parallel on pooled [batch, features]: its batch taken for a sequence
+//     summon_one_tp_rank (refused) after training, a change inside summon_full_params made on TP
+//                    rank 0 only
+//     summon_one_rank    (refused) the same change made on world rank 0 only
 //     api            no training: the cross entropy's options and the region primitives against
 //                    whole-tensor arithmetic, twice, the second time through a second
 //                    TensorParallel of the same process (check_api)
@@ -80,7 +85,8 @@ struct MyBlockImpl : torch::nn::Module {
 TORCH_MODULE(MyBlock);
 
 struct MyNetImpl : torch::nn::Module {
-  explicit MyNetImpl(const Variants& v) : head_outside(v.has("head_outside")), tied(v.has("tied")) {
+  explicit MyNetImpl(const Variants& v)
+      : head_outside(v.has("head_outside")), tied(v.has("tied")), head_column(v.has("sp_head_column")) {
     auto eo = torch::nn::EmbeddingOptions(kVocab, kWidth);
     // With the tied head, no scale_grad_by_freq: see per_slice_oracle in train().
     if (v.has("embed_options")) eo.padding_idx(3).max_norm(1.0).scale_grad_by_freq(!v.has("tied"));
@@ -103,7 +109,7 @@ struct MyNetImpl : torch::nn::Module {
     // A user's slip: the split head called directly (local training computes the same).
     if (head_outside) return at::linear(pooled, head->weight);
     const torch::Tensor& w = tied ? embed->weight : head->weight;
-    if (sp) {
+    if (sp && !head_column) {
       // Pooled features have no sequence to gather: the column-parallel product written out.
       fsdp::TensorParallelLayerScope own_layer;
       return at::linear(fsdp::copy_to_tensor_parallel_region(pooled, sp), w);
@@ -115,7 +121,7 @@ struct MyNetImpl : torch::nn::Module {
     return fsdp::vocab_parallel_cross_entropy(logits, y, tied ? embed->weight : head->weight);
   }
   int64_t classes() const { return tied ? kVocab : kClasses; }
-  bool head_outside, tied;
+  bool head_outside, tied, head_column;
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::Linear head{nullptr};
@@ -193,7 +199,7 @@ json check_api(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     (all * w).sum().backward();
     note(region_diff, xs.grad(), w);
     const at::Tensor c = x.narrow(1, first, n).clone().requires_grad_(true);
-    (fsdp::gather_from_sequence_parallel_region(c, sp) * w * (sp->rank() + 1)).sum().backward();
+    (fsdp::gather_from_sequence_parallel_region(c, sp, /*into_split_computation=*/true) * w * (sp->rank() + 1)).sum().backward();
     note(region_diff, c.grad(), (w * factor).narrow(1, first, n));
     const at::Tensor xr = x.clone().requires_grad_(true);
     const at::Tensor summed = fsdp::reduce_scatter_to_sequence_parallel_region(xr * (sp->rank() + 1), sp);
@@ -201,12 +207,40 @@ json check_api(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     (summed * w.narrow(1, first, n)).sum().backward();
     note(region_diff, xr.grad(), w * (sp->rank() + 1));
   }
+  // Refusals of the pieces, each with what to do: targets that are no class indices, a row count
+  // that differs from the logits', a TP stream scope on a TensorParallel the streams were not
+  // seeded for (its masks would be the same on every TP rank).
+  auto refused = [&](const std::function<void()>& call, const std::string& says) {
+    try {
+      call();
+    } catch (const std::exception& e) {
+      if (std::string(e.what()).find(says) != std::string::npos) {
+        ++checks;
+        return;
+      }
+    }
+    region_diff = 1e9;  // not refused, or not by name
+  };
+  {
+    auto tp = fsdp::TensorParallel::create(mesh, a.tp);
+    torch::manual_seed(5);
+    MyNet net(Variants(""));
+    fsdp::parallelize(*net, tp, {{"head.weight", {0, 1}}});
+    const at::Tensor logits = torch::randn({6, kClasses / tp->size()});
+    refused([&] { fsdp::vocab_parallel_cross_entropy(logits, torch::zeros({6}), net->head->weight); }, "integer tensor");
+    refused([&] { fsdp::vocab_parallel_cross_entropy(logits, torch::zeros({12}, torch::kLong), net->head->weight); },
+            "one target per row");
+    auto other = fsdp::TensorParallel::create(mesh, a.tp);
+    fsdp::seed_tensor_parallel_rng(tp, 7);
+    refused([&] { fsdp::TensorParallelRngScope scope(other); }, "seeded for another TensorParallel");
+  }
   return {{"rank", mesh->rank()}, {"ce_diff", ce_diff}, {"region_diff", region_diff}, {"checks", checks}};
 }
 
 json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variants& v) {
   fsdp::TensorParallelOptions tp_options;
-  tp_options.sequence_parallel = v.has("sp") || v.has("sp_no_rule");
+  tp_options.sequence_parallel = v.has("sp") || v.has("sp_no_rule") || v.has("sp_head_column");
+  if (v.has("sp_head_column")) tp_options.sequence_dim = 0;
   auto tp = fsdp::TensorParallel::create(mesh, a.tp, tp_options);
   const auto& dp = tp->data_parallel();
   auto build = [&](int seed) {
@@ -224,7 +258,7 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
     plan.push_back({"embed.weight", {0, 1}});
   }
   if (v.has("qk_norm")) plan.push_back(fsdp::partial_gradient_rule("blocks.*.qk_w"));
-  if (v.has("sp")) {
+  if (v.has("sp") || v.has("sp_head_column")) {
     for (const char* p : {"blocks.*.norm.*", "blocks.*.down.bias"}) plan.push_back(fsdp::partial_gradient_rule(p));
   }
   fsdp::parallelize(*mine, tp, plan);
@@ -314,6 +348,17 @@ json train(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a, const Variant
   }
   // summon_full_params: the model's own parameters whole inside the scope (the TP parts put
   // together), and an in-place change made there written back into every rank's part.
+  if (v.has("summon_one_tp_rank") || v.has("summon_one_rank")) {
+    {
+      auto full = sharded.summon_full_params();
+      const bool changes = v.has("summon_one_tp_rank") ? tp->rank() == 0 : mesh->rank() == 0;
+      torch::NoGradGuard no_grad;
+      if (changes) {
+        for (auto& p : mine->parameters()) p.mul_(0.9);
+      }
+    }
+    sharded.clip_grad_norm_(1.0);  // the next call refuses what the scope's end discarded
+  }
   double summon_diff = 0, writeback_diff = 0;
   {
     auto full = sharded.summon_full_params();
