@@ -137,7 +137,8 @@ struct HandRun {
   std::map<std::string, std::string> output;
 };
 
-HandRun live_job_by_hand(const std::string& job, const std::string& replacement_flags, const std::string& stray = "") {
+HandRun live_job_by_hand(const std::string& job, const std::string& replacement_flags, const std::string& stray = "",
+                         bool duplicate = false, bool freeze = false) {
   const std::string dir = fsdp_test::fresh_dir("ft-hand");
   const std::string script = dir + "/run.sh";
   {
@@ -148,6 +149,7 @@ HandRun live_job_by_hand(const std::string& job, const std::string& replacement_
         << "C=$!\n"
         << "for i in $(seq 100); do PORT=$(sed -n 's/.*listening on port \\([0-9]*\\).*/\\1/p' coordinator.log); "
            "[ -n \"$PORT\" ] && break; sleep 0.1; done\n"
+        << (freeze ? "export FSDP_LIVE_TIMEOUT_S=5\n" : "")
         << "rank() { env RANK=$1 WORLD_SIZE=4 LOCAL_RANK=$1 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT "
            "$2 " << fsdp_test::fsdp_train() << " " << job << " --metrics-jsonl m$1$3.jsonl $4 > $3rank$1.log 2>&1; "
            "echo $? > $3rank$1.exit; }\n"
@@ -155,6 +157,15 @@ HandRun live_job_by_hand(const std::string& job, const std::string& replacement_
                                          "while ! grep -q done stray.log; do sleep 0.1; done\n");
     if (replacement_flags.empty()) {
       out << "for r in 0 1 2 3; do rank $r \"\" \"\" \"\" & done\n";
+      // A second process as RANK 2 once the job trains.
+      if (duplicate) out << "while ! grep -q event.:.round coordinator.log; do sleep 0.1; done\nrank 2 \"\" dup \"\" &\n";
+      // The coordinator frozen (SIGSTOP, not dead) once the job trains; let go once every rank ended.
+      if (freeze) {
+        out << "while ! grep -q event.:.round coordinator.log; do sleep 0.1; done\nsleep 1\nkill -STOP $C\n"
+            << "T0=$(date +%s)\n"
+            << "while [ $(ls rank?.exit 2>/dev/null | wc -l) -lt 4 ] && [ $(( $(date +%s) - T0 )) -lt 150 ]; do sleep 0.2; done\n"
+            << "echo $(( $(date +%s) - T0 )) > frozen.seconds\nkill -CONT $C; kill $C\n";
+      }
     } else {
       out << "for r in 0 1 2 3; do rank $r \"FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_RANKS=2,3\" \"\" \"\" & done\n"
           << "while [ ! -f rank2.exit ] || [ ! -f rank3.exit ]; do sleep 0.1; done\n"
@@ -164,8 +175,9 @@ HandRun live_job_by_hand(const std::string& job, const std::string& replacement_
   }
   const auto run = sh("bash " + script, 300);
   HandRun h;
-  for (const std::string name : {"rank0", "rank1", "rank2", "rank3", "againrank2", "againrank3", "coordinator", "stray"}) {
-    std::ifstream e(dir + "/" + name + ".exit"), o(dir + "/" + name + ".log");
+  for (const std::string name :
+       {"rank0", "rank1", "rank2", "rank3", "againrank2", "againrank3", "duprank2", "coordinator", "stray", "frozen"}) {
+    std::ifstream e(dir + "/" + name + (name == "frozen" ? ".seconds" : ".exit")), o(dir + "/" + name + ".log");
     int code = -1;
     if (e >> code) h.exit[name] = code;
     h.output[name] = std::string(std::istreambuf_iterator<char>(o), {});
@@ -246,6 +258,54 @@ TEST(FaultTolerance, AStrayClientCannotDecideCommitsOrCrashTheJob) {
   const auto got = hashes(h.rows);
   ASSERT_EQ(got.size(), 4u) << h.output.at("rank0");
   for (int r = 0; r < 4; ++r) EXPECT_EQ(got.at(r)["hash"], want.at(r)["hash"]) << "rank " << r;
+}
+
+// Issue 37, item 5: a process started as RANK 2 while rank 2 is alive. Before, the newest
+// generation won and evicted the healthy group within 0.45 s. Now it is refused by name and the
+// job trains on, with the bits of the same job run undisturbed.
+TEST(FaultTolerance, ASecondHolderOfALiveRankIsRefused) {
+  const std::string job = kTiny + "--strategy hybrid_shard --shard-size 2 --live-replicas --steps 200 ";
+  const Result undisturbed = train("", job + "--nproc-per-node 4");
+  ASSERT_EQ(undisturbed.run.exit_code, 0) << undisturbed.run.output;
+  const auto want = hashes(undisturbed.rows);
+  ASSERT_EQ(want.size(), 4u) << undisturbed.run.output;
+  const HandRun h = live_job_by_hand(job, "", "", /*duplicate=*/true);
+  ASSERT_TRUE(h.exit.count("duprank2")) << h.output.at("coordinator");
+  EXPECT_NE(h.exit.at("duprank2"), 0) << h.output.at("duprank2");
+  EXPECT_NE(h.output.at("duprank2").find("rank 2 of the live job is alive"), std::string::npos) << h.output.at("duprank2");
+  for (const std::string r : {"rank0", "rank1", "rank2", "rank3", "coordinator"}) {
+    EXPECT_EQ(h.exit.at(r), 0) << r << ": " << h.output.at(r);
+  }
+  const auto got = hashes(h.rows);
+  ASSERT_EQ(got.size(), 4u) << h.output.at("rank0");
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(got.at(r)["hash"], want.at(r)["hash"]) << "rank " << r;
+}
+
+// Issue 37, item 6: the coordinator frozen (SIGSTOP) mid-job. Before, every rank hung forever: a
+// heartbeat's set is not answered, so the watchdog stayed fed. Now the heartbeat waits for the
+// coordinator's answer, and every rank stops within its timeout (FSDP_LIVE_TIMEOUT_S, 5 s here),
+// saying why.
+TEST(FaultTolerance, AFrozenCoordinatorStopsEveryRankWithinTheTimeout) {
+  const std::string job = kTiny + "--strategy hybrid_shard --shard-size 2 --live-replicas --steps 2000 ";
+  const HandRun h = live_job_by_hand(job, "", "", false, /*freeze=*/true);
+  ASSERT_TRUE(h.exit.count("frozen")) << h.output.at("coordinator");
+  EXPECT_LT(h.exit.at("frozen"), 60) << "seconds from the freeze until every rank ended";
+  for (const std::string r : {"rank0", "rank1", "rank2", "rank3"}) {
+    ASSERT_TRUE(h.exit.count(r)) << r;
+    EXPECT_NE(h.exit.at(r), 0) << r << ": " << h.output.at(r);
+    EXPECT_NE(h.output.at(r).find("has not reached the live replicas' coordinator"), std::string::npos)
+        << r << ": " << h.output.at(r);
+  }
+}
+
+// Issue 37, item 8: a group the schedule lets back in at the last step (in:1@8 of 8 steps). Before,
+// it was admitted into a round the others never ran, waited for a state nobody sent, and the job
+// ended only when the launcher killed it (exit 1 after 96 s). Now it reads the end; the job exits 0.
+TEST(FaultTolerance, AJoinerAtTheLastStepDoesNotHangTheEnd) {
+  const Result r = train("", kTiny + "--nproc-per-node 4 --strategy hybrid_shard --shard-size 2 --live-replicas --steps 8 "
+                                     "--live-schedule out:1@5,in:1@8", 120);
+  EXPECT_EQ(r.run.exit_code, 0) << r.run.output;
+  EXPECT_LT(r.run.seconds, 60.0) << r.run.output;
 }
 
 // The HMAC the store's values carry (RFC 4231's test cases 2 and 6), and a value signed for one

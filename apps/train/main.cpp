@@ -44,14 +44,18 @@ int launch_live_locally(std::vector<char*>& args) {
   auto port = std::make_shared<std::promise<int>>();
   auto verdict = std::make_shared<std::promise<int>>();
   auto decided = std::make_shared<std::atomic<bool>>(false);
+  auto end_verdict = std::make_shared<std::atomic<int>>(-1);  // what on_end said, before the coordinator lingers
   std::future<int> port_f = port->get_future(), verdict_f = verdict->get_future();
-  std::thread([port, verdict, decided] {
+  std::thread([port, verdict, decided, end_verdict] {
     bool listening = false;
     try {
       fsdp::CoordinatorOptions o = fsdp::CoordinatorOptions::from_environment();
       o.port = 0;
       o.bind_address = "127.0.0.1";  // this machine's ranks only
-      o.on_end = [decided](int) { *decided = true; };
+      o.on_end = [decided, end_verdict](int v) {
+        *end_verdict = v;
+        *decided = true;
+      };
       verdict->set_value(fsdp::run_coordinator(o, [&](int p) {
         listening = true;
         port->set_value(p);
@@ -73,13 +77,19 @@ int launch_live_locally(std::vector<char*>& args) {
   // Every rank ended. The coordinator ends too once the last member finished every step (it
   // lingers while a heartbeat is fresh: at most dead_after once the last rank ended); if it still
   // waits, it waits for a replacement nobody will start.
+  // The end's verdict is known when the coordinator decides it (on_end), before it lingers up to 10 s
+  // for the last heartbeats: waiting for its return only, a job that trained every step was
+  // reported failed (issue 37, item 10).
   const auto linger = fsdp::CoordinatorOptions::from_environment().dead_after + std::chrono::seconds(3);
-  if (verdict_f.wait_for(linger) == std::future_status::ready) {
-    const int verdict_code = verdict_f.get();
+  if (*end_verdict >= 0 || verdict_f.wait_for(linger) == std::future_status::ready) {
+    const int verdict_code = *end_verdict >= 0 ? end_verdict->load() : verdict_f.get();
     // 0: every step was trained by the groups in the job, whatever happened to the ones that left
     // (`code` holds only failures after that: a rank's own work once training ended). Otherwise
     // the job was lost: no group with its state is left (restart it from its newest checkpoint).
-    return verdict_code == 0 ? code : (code != 0 ? code : verdict_code);
+    const int result = verdict_code == 0 ? code : (code != 0 ? code : verdict_code);
+    if (verdict_f.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return result;
+    std::fflush(nullptr);
+    std::_Exit(result);  // the coordinator's thread still lingers: leave without destructors
   }
   std::cerr << "fsdp-train: every rank ended before the job's last step and none is left to rejoin (out of "
                "--max-restarts): the job failed\n"

@@ -54,7 +54,10 @@ struct TensorParallelOptions {
   // norms' weights, a row-parallel layer's bias) are partial_gradient_rule parameters: each rank's
   // gradient is its chunk's share. The sequence length must be a multiple of the TP size, and the
   // split layers' inputs have three dimensions at least ([batch, sequence, features]); a layer on
-  // pooled features is written out (column_parallel refuses a 2-D input and says how).
+  // pooled features is written out (column_parallel refuses a 2-D input and says how). Not
+  // detected: a pooled tensor that keeps a sequence dimension ([batch, 1, features], or any
+  // tensor every TP rank computed alike) given to column_parallel would be gathered as if each
+  // rank held a chunk: its layers' gradients TP times too large. Write such layers out too.
   bool sequence_parallel = false;
   // The activations' sequence dimension: 1 for [batch, sequence, features].
   int64_t sequence_dim = 1;

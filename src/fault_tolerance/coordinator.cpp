@@ -361,10 +361,13 @@ class Coordinator {
     }
     std::set<int> let_in;
     apply_schedule(next, &let_in);
-    // A group the schedule lets back in at this step joins now: wait for it to ask.
+    // A group the schedule lets back in at this step joins now: wait for it to ask. Not after the
+    // last step: the members do not run that round (their loop has ended), so a joiner would wait
+    // for a state nobody sends (issue 37, item 8); it reads the end instead.
+    const bool past_the_end = next.step >= config_.total_steps && !next.members.empty();
     const auto until = Clock::now() + options_.empty_timeout;
     std::map<int, std::pair<int, int64_t>> joiners;
-    while (true) {
+    while (!past_the_end) {
       joiners = complete_joiners();
       for (auto it = joiners.begin(); it != joiners.end();) {
         it = next.has(it->first) || held_out_.count(it->first) ? joiners.erase(it) : std::next(it);

@@ -374,6 +374,20 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
                                 "' (world size, shard size, steps, schedule) but the job's first rank as '" + theirs +
                                 "': start every rank with the same flags");
   }
+  // A second live holder of a rank is refused: only a replacement of a dead one joins (the newest
+  // generation would otherwise take the place of a healthy rank and evict its group). The holder's
+  // heartbeat changes every interval while it lives; a dead one's stands still.
+  const std::string beat_key = impl->key("hb/" + impl->me());
+  if (impl->store->check({beat_key})) {
+    const auto before = impl->store->get(beat_key);
+    std::this_thread::sleep_for(3 * options.heartbeat + std::chrono::milliseconds(100));
+    if (impl->store->get(beat_key) != before) {
+      throw std::invalid_argument("fsdp: rank " + impl->me() + " of the live job is alive (its heartbeat reaches the "
+                                  "coordinator): this process, started as RANK " + impl->me() + " too, is refused and "
+                                  "the job goes on. Start a rank again only once it has stopped (a replacement of a "
+                                  "dead rank joins), or give this one the RANK of a rank that is gone");
+    }
+  }
   impl->gen = static_cast<int>(impl->store->add(impl->key("incarnation/" + impl->me()), 1));
   // The heartbeat has a connection of its own: the main one blocks while it waits for decisions.
   auto beat_store = client(env, mesh_options.init_timeout);
@@ -389,6 +403,10 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
       try {
         beat_store->set(k, detail::to_bytes(detail::sign_value(p->options.secret, "hb/" + p->me(),
                                                                 std::to_string(p->gen) + ":" + std::to_string(n++))));
+        // A set is not answered: it succeeds into the socket of a coordinator that is frozen
+        // (stopped, not dead). A check is: the beat counts only once the coordinator replied, so
+        // the watchdog below stops this rank when it does not (issue 37, item 6).
+        beat_store->check({k});
         p->last_beat_ms = now_ms();
       } catch (const std::exception&) {
         return;  // the coordinator is gone: the main thread's next wait says so

@@ -94,6 +94,12 @@ at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const TensorPa
   return mine.movedim(0, dim);
 }
 
+std::optional<TensorParallelPlacement> active(const at::Tensor& weight) {
+  auto placement = tensor_parallel_placement(weight);
+  if (!placement || placement->tp->size() == 1) return std::nullopt;
+  return placement;
+}
+
 int64_t wrap_dim(int64_t dim, const at::Tensor& x) {
   const int64_t d = dim < 0 ? dim + x.dim() : dim;
   if (d < 0 || d >= x.dim()) {

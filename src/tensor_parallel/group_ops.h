@@ -7,12 +7,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 namespace fsdp {
 class TensorParallel;
+struct TensorParallelPlacement;
 namespace detail {
 
 // The key of `tp` in a process-wide table, and back (throws when the group has ended).
@@ -25,6 +27,9 @@ void all_reduce_(at::Tensor& t, c10d::ReduceOp op, const TensorParallel& tp, con
 at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what);
 // The sum over the group of `x`, this rank's part of `dim` (which the group size divides).
 at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const TensorParallel& tp, const char* what);
+
+// The weight's placement when it is split over more than one rank (one registry lookup per call).
+std::optional<TensorParallelPlacement> active(const at::Tensor& weight);
 
 // `dim` counted from the front (a negative one from the back); throws when out of range.
 int64_t wrap_dim(int64_t dim, const at::Tensor& x);
