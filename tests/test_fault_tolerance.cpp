@@ -188,6 +188,24 @@ HandRun live_job_by_hand(const std::string& job, const std::string& replacement_
   return h;
 }
 
+// The final state hashes of `job` run undisturbed by the local launcher (4 ranks).
+std::map<int, json> undisturbed_hashes(const std::string& job) {
+  const Result r = train("", job + "--nproc-per-node 4");
+  EXPECT_EQ(r.run.exit_code, 0) << r.run.output;
+  return hashes(r.rows);
+}
+
+// Every rank and the coordinator of a hand-run job ended well, with the hashes of `want`.
+void expect_trained_as(const HandRun& h, const std::map<int, json>& want) {
+  for (const std::string r : {"rank0", "rank1", "rank2", "rank3", "coordinator"}) {
+    EXPECT_EQ(h.exit.at(r), 0) << r << ": " << h.output.at(r);
+  }
+  const auto got = hashes(h.rows);
+  ASSERT_EQ(got.size(), 4u) << h.output.at("rank0");
+  ASSERT_EQ(want.size(), 4u);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(got.at(r)["hash"], want.at(r)["hash"]) << "rank " << r;
+}
+
 // Issue 37, items 1 and 2: a replacement started with another model shape (--block-size 64: the
 // position table's rows) or another learning rate is not this job. Before, the shape's join
 // reported success and the next gradient average aborted the healthy group (SIGABRT), and the
@@ -230,10 +248,7 @@ TEST(FaultTolerance, AReplacementOfAnotherJobIsRefusedAndTheHealthyGroupTrainsOn
 // the secret guards what the job does, not whether it runs; docs/cluster.md.)
 TEST(FaultTolerance, AStrayClientCannotDecideCommitsOrCrashTheJob) {
   const std::string job = kTiny + "--strategy hybrid_shard --shard-size 2 --live-replicas --steps 60 ";
-  const Result undisturbed = train("", job + "--nproc-per-node 4");
-  ASSERT_EQ(undisturbed.run.exit_code, 0) << undisturbed.run.output;
-  const auto want = hashes(undisturbed.rows);
-  ASSERT_EQ(want.size(), 4u) << undisturbed.run.output;
+  const auto want = undisturbed_hashes(job);
   const std::string stray =
       "import sys, time, datetime\n"
       "import torch.distributed as dist\n"
@@ -251,13 +266,8 @@ TEST(FaultTolerance, AStrayClientCannotDecideCommitsOrCrashTheJob) {
       "time.sleep(60)\n";
   const HandRun h = live_job_by_hand(job, "", stray);
   EXPECT_NE(h.output.at("stray").find("forged writes done"), std::string::npos) << h.output.at("stray");
-  for (const std::string r : {"rank0", "rank1", "rank2", "rank3", "coordinator"}) {
-    EXPECT_EQ(h.exit.at(r), 0) << r << ": " << h.output.at(r);
-  }
   EXPECT_NE(h.output.at("coordinator").find("unauthenticated"), std::string::npos) << h.output.at("coordinator");
-  const auto got = hashes(h.rows);
-  ASSERT_EQ(got.size(), 4u) << h.output.at("rank0");
-  for (int r = 0; r < 4; ++r) EXPECT_EQ(got.at(r)["hash"], want.at(r)["hash"]) << "rank " << r;
+  expect_trained_as(h, want);
 }
 
 // Issue 37, item 5: a process started as RANK 2 while rank 2 is alive. Before, the newest
@@ -265,20 +275,12 @@ TEST(FaultTolerance, AStrayClientCannotDecideCommitsOrCrashTheJob) {
 // job trains on, with the bits of the same job run undisturbed.
 TEST(FaultTolerance, ASecondHolderOfALiveRankIsRefused) {
   const std::string job = kTiny + "--strategy hybrid_shard --shard-size 2 --live-replicas --steps 200 ";
-  const Result undisturbed = train("", job + "--nproc-per-node 4");
-  ASSERT_EQ(undisturbed.run.exit_code, 0) << undisturbed.run.output;
-  const auto want = hashes(undisturbed.rows);
-  ASSERT_EQ(want.size(), 4u) << undisturbed.run.output;
+  const auto want = undisturbed_hashes(job);
   const HandRun h = live_job_by_hand(job, "", "", /*duplicate=*/true);
   ASSERT_TRUE(h.exit.count("duprank2")) << h.output.at("coordinator");
   EXPECT_NE(h.exit.at("duprank2"), 0) << h.output.at("duprank2");
   EXPECT_NE(h.output.at("duprank2").find("rank 2 of the live job is alive"), std::string::npos) << h.output.at("duprank2");
-  for (const std::string r : {"rank0", "rank1", "rank2", "rank3", "coordinator"}) {
-    EXPECT_EQ(h.exit.at(r), 0) << r << ": " << h.output.at(r);
-  }
-  const auto got = hashes(h.rows);
-  ASSERT_EQ(got.size(), 4u) << h.output.at("rank0");
-  for (int r = 0; r < 4; ++r) EXPECT_EQ(got.at(r)["hash"], want.at(r)["hash"]) << "rank " << r;
+  expect_trained_as(h, want);
 }
 
 // Issue 37, item 6: the coordinator frozen (SIGSTOP) mid-job. Before, every rank hung forever: a
