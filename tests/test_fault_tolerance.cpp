@@ -7,7 +7,9 @@
 // are in test_cluster.cpp.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <iterator>
 
 #include "dist_test_util.h"
@@ -324,6 +326,95 @@ TEST(FaultTolerance, ValuesAreSignedWithTheJobsSecret) {
   EXPECT_FALSE(fsdp::detail::verify_value(secret + "x", "commit/3", v).has_value());
   EXPECT_FALSE(fsdp::detail::verify_value(secret, "commit/3", "1").has_value());
   EXPECT_EQ(fsdp::detail::sign_value("", "commit/3", "1"), "1");  // no secret: values as they are
+}
+
+// Three groups of one rank each: what items 7 and 9 need (a slow or failing group beside healthy ones).
+const std::string kThreeGroups = " --model tiny --global-batch-size 12 --block-size 32 --nproc-per-node 3 "
+                                 "--strategy hybrid_shard --shard-size 1 --live-replicas --steps 8 --state-hash ";
+
+// Issue 37, item 7: group 0's steps take 1.5 s longer (FSDP_FAULT_SLOW_MS: a slow group, or a slow
+// checkpoint save) when group 2 dies at step 5, and the ready timeout is 1 s. With the fixed
+// timeout, the coordinator dropped the healthy slow group as stuck too (seen with the derivation
+// switched off: "dropped","replica":0, and group 1 trained on alone). Now the timeout is at least 3
+// times the slowest committed step: group 0 stays, and ends with the bits of the schedule out:2@5.
+TEST(FaultTolerance, ASlowGroupIsNotTakenForAStuckOne) {
+  const Result r = train("FSDP_LIVE_READY_TIMEOUT_S=1 FSDP_FAULT_SLOW_MS=1500 FSDP_FAULT_SLOW_RANKS=0 "
+                         "FSDP_FAULT_KILL_AT_STEP=5 FSDP_FAULT_KILL_RANKS=2",
+                         kThreeGroups, 180);
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  EXPECT_EQ(r.run.output.find("\"event\":\"dropped\",\"replica\":0"), std::string::npos) << r.run.output;
+  const Result planned = train("", kThreeGroups + "--live-schedule out:2@5", 180);
+  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
+  const auto got = hashes(r.rows), want = hashes(planned.rows);
+  ASSERT_EQ(got.size(), 2u) << r.run.output;  // rank 2 died before its hash
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(got.at(rank)["hash"], want.at(rank)["hash"]) << "rank " << rank;
+}
+
+// Issue 37, items 9 and 10: rank 2's replica average fails at every attempt from step 4 on (a
+// partition, a transfer that always fails). Before, step 4 was redone forever. Now, after
+// FSDP_LIVE_MAX_RETRIES (2) redos, group 2 is left out: it stops at once with the coordinator's
+// reason (not after 120 s blaming the coordinator), exit code 3, and the job, which trained every
+// step, exits 0 with the bits of the schedule out:2@4.
+TEST(FaultTolerance, AFailureThatRepeatsEveryRoundLeavesOneGroupOut) {
+  const Result r = train("FSDP_LIVE_MAX_RETRIES=2 FSDP_FAULT_AVERAGE_FAILS_FROM=4 FSDP_FAULT_AVERAGE_FAIL_RANKS=2",
+                         kThreeGroups, 180);
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  EXPECT_NE(r.run.output.find("\"attempts\":3,\"event\":\"retry_limit\",\"left_out\":[2]"), std::string::npos)
+      << r.run.output;
+  EXPECT_NE(r.run.output.find("replica group 2 was left out of the job by the coordinator: step 4 failed 3 times in a "
+                              "row with the same groups (the job's max_retries is 2)"),
+            std::string::npos)
+      << r.run.output;
+  EXPECT_NE(r.run.output.find("rank 2 (pid"), std::string::npos);
+  EXPECT_NE(r.run.output.find("exited with code 3"), std::string::npos) << r.run.output;
+  EXPECT_LT(r.run.seconds, 60.0);
+  const Result planned = train("", kThreeGroups + "--live-schedule out:2@4", 180);
+  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
+  const auto got = hashes(r.rows), want = hashes(planned.rows);
+  ASSERT_GE(got.size(), 2u) << r.run.output;
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(got.at(rank)["hash"], want.at(rank)["hash"]) << "rank " << rank;
+}
+
+// The first number after `marker` in `text`, or -1.
+int step_after(const std::string& text, const std::string& marker) {
+  const auto at = text.find(marker);
+  return at == std::string::npos ? -1 : std::atoi(text.c_str() + at + marker.size());
+}
+
+// Each rank's "digest rank R: X" line.
+std::map<int, std::string> digests(const std::string& output) {
+  std::map<int, std::string> out;
+  std::istringstream lines(output);
+  std::string line;
+  while (std::getline(lines, line)) {
+    int rank = -1;
+    char hex[32] = {};
+    if (std::sscanf(line.c_str(), "digest rank %d: %16s", &rank, hex) == 2) out[rank] = hex;
+  }
+  return out;
+}
+
+// The user-loop example (examples/live_loop.cpp, fsdp/live_manager.h): a model, a loop and a data
+// stream of its own, with two groups of two ranks. Group 1 kills itself after the backward of step
+// 8; group 0 trains on; the launcher starts group 1 again and it joins with group 0's parameters,
+// optimizer state and data position (register_state). Every rank ends with the bits of the same
+// loop told the membership in advance (its schedule), and so without a failure at all when the
+// replacement was back in the very redo of step 8.
+TEST(FaultTolerance, AUsersOwnLoopSurvivesALostGroupAsScheduled) {
+  const std::string loop = fsdp_test::bin_dir() + "/fsdp-example-live-loop --nproc-per-node 4 --steps 24 ";
+  const auto hit = sh(loop + "--max-restarts 2 --kill-group-at 8", 180);
+  ASSERT_EQ(hit.exit_code, 0) << hit.output;
+  const int left = step_after(hit.output, "[group 0] group(s) left at step ");
+  const int back = step_after(hit.output, "[group 0] group(s) joined at step ");
+  ASSERT_EQ(left, 8) << hit.output;
+  ASSERT_GE(back, 8) << "the replacement never joined\n" << hit.output;
+  const auto planned = sh(loop + (back > 8 ? "--schedule out:1@8,in:1@" + std::to_string(back) : std::string()), 180);
+  ASSERT_EQ(planned.exit_code, 0) << planned.output;
+  const auto got = digests(hit.output), want = digests(planned.output);
+  ASSERT_EQ(got.size(), 4u) << hit.output;
+  ASSERT_EQ(want.size(), 4u) << planned.output;
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(got.at(rank), want.at(rank)) << "rank " << rank << "\n" << hit.output;
+  EXPECT_EQ(got.at(0), got.at(2));  // the groups hold the same replica
 }
 
 TEST(FaultTolerance, LiveReplicasWithNothingToKeepOrNoCoordinatorAreRefused) {

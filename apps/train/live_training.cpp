@@ -5,10 +5,9 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <iostream>
+#include <thread>
 
-#include "fsdp/checkpoint.h"
 #include <sstream>
 
 namespace train {
@@ -91,6 +90,7 @@ int LiveTraining::begin_step(int held_step, const std::vector<torch::Tensor>& pa
   const fsdp::LiveRound round = live_->next_round(held_step, params, &optimizer);
   const auto t1 = Clock::now();
   if (round.step >= c_.steps) return static_cast<int>(round.step);
+  step_ = static_cast<int>(round.step);
   const bool first = members_.empty();
   members_ = round.members;
   if (!round.left.empty()) {
@@ -141,8 +141,9 @@ bool LiveTraining::end_step(const std::vector<torch::Tensor>& params, double* lo
   }
   at::Tensor l = torch::full({1}, *loss, torch::kFloat);
   tensors.push_back(l);
-  std::string why;
-  const bool ok = live_->average(tensors, &why);
+  std::string why = "this rank's replica average failed (FSDP_FAULT_AVERAGE_FAILS_FROM)";
+  const int global_rank = fsdp::LaunchEnv::from_environment().rank;
+  const bool ok = !replica_average_fails_for_test(step_, global_rank) && live_->average(tensors, &why);
   const bool committed = live_->commit(ok, why);
   if (committed) {
     *loss = l.item<double>();  // the mean over every member rank's equal slice
@@ -160,73 +161,46 @@ bool LiveTraining::end_step(const std::vector<torch::Tensor>& params, double* lo
   return false;
 }
 
-std::string live_save_dir(const std::string& save_dir, int replica) {
-  return save_dir + "/replica-" + std::to_string(replica);
-}
-
-std::string newest_live_checkpoint(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::exists(fs::path(path) / "manifest.json", ec) || fsdp::latest_checkpoint(path)) return path;
-  std::string best = path;
-  int64_t best_step = -1;
-  for (const auto& e : fs::directory_iterator(path, ec)) {
-    if (!e.is_directory(ec) || e.path().filename().string().rfind("replica-", 0) != 0) continue;
-    const std::optional<std::string> newest = fsdp::latest_checkpoint(e.path().string());
-    if (!newest) continue;
-    const std::string name = fs::path(*newest).filename().string();  // step-00000010
-    const int64_t step = std::atoll(name.substr(name.find('-') + 1).c_str());
-    if (step > best_step) {
-      best_step = step;
-      best = *newest;
-    }
-  }
-  return best;
-}
-
 int restart_count() {
   const char* raw = std::getenv("TORCHELASTIC_RESTART_COUNT");
   return raw == nullptr ? 0 : std::atoi(raw);
 }
+
+namespace {
+
+// Whether `global_rank` is in the comma-separated list of `variable` (every rank when it is unset).
+bool listed(const char* variable, int global_rank) {
+  const char* ranks = std::getenv(variable);
+  if (ranks == nullptr) return true;
+  std::stringstream list(ranks);
+  std::string item;
+  bool mine = false;
+  while (std::getline(list, item, ',')) mine = mine || (!item.empty() && std::atoi(item.c_str()) == global_rank);
+  return mine;
+}
+
+}  // namespace
 
 void maybe_kill_for_test(int step, int global_rank, bool first_start, const std::string& point) {
   static const char* at = std::getenv("FSDP_FAULT_KILL_AT_STEP");
   if (at == nullptr || !first_start || std::atoi(at) != step) return;
   const char* after = std::getenv("FSDP_FAULT_KILL_AFTER");
   if (point != (after != nullptr && *after != '\0' ? after : "backward")) return;
-  if (const char* ranks = std::getenv("FSDP_FAULT_KILL_RANKS")) {
-    std::stringstream list(ranks);
-    std::string item;
-    bool mine = false;
-    while (std::getline(list, item, ',')) mine = mine || (!item.empty() && std::atoi(item.c_str()) == global_rank);
-    if (!mine) return;
-  }
+  if (!listed("FSDP_FAULT_KILL_RANKS", global_rank)) return;
   std::cerr << ("fsdp-train: rank " + std::to_string(global_rank) + " kills itself at step " + std::to_string(step) +
                 " after its " + point + " (FSDP_FAULT_KILL_AT_STEP)\n") << std::flush;
   ::kill(::getpid(), SIGKILL);
 }
 
-std::string state_hash(const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
-  auto add = [&h](const at::Tensor& t) {
-    if (!t.defined()) return;
-    const at::Tensor c = t.detach().to(torch::kCPU).contiguous();
-    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-    const size_t n = static_cast<size_t>(c.numel()) * c.element_size();
-    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  };
-  for (const auto& p : params) {
-    add(p);
-    auto it = optimizer.state().find(p.unsafeGetTensorImpl());
-    if (it == optimizer.state().end()) continue;
-    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
-    add(s.exp_avg());
-    add(s.exp_avg_sq());
-    add(torch::full({1}, s.step(), torch::kLong));
-  }
-  char text[20];
-  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(h));
-  return text;
+void maybe_slow_for_test(int global_rank) {
+  static const char* ms = std::getenv("FSDP_FAULT_SLOW_MS");
+  if (ms == nullptr || !listed("FSDP_FAULT_SLOW_RANKS", global_rank)) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
+}
+
+bool replica_average_fails_for_test(int step, int global_rank) {
+  static const char* from = std::getenv("FSDP_FAULT_AVERAGE_FAILS_FROM");
+  return from != nullptr && step >= std::atoi(from) && listed("FSDP_FAULT_AVERAGE_FAIL_RANKS", global_rank);
 }
 
 }  // namespace train

@@ -58,6 +58,7 @@ class LiveTraining {
   const Config& c_;
   std::shared_ptr<fsdp::LiveReplicas> live_;
   std::vector<int> members_;
+  int step_ = 0;  // the step of the round in progress
   std::optional<std::chrono::steady_clock::time_point> discarded_at_;  // the last discarded step's end
 };
 
@@ -70,15 +71,11 @@ int restart_count();
 // default; FSDP_FAULT_KILL_AFTER=forward: after the forward, mid-step), in the job's first start
 // only; FSDP_FAULT_KILL_RANKS="1,3" limits it to those global ranks.
 void maybe_kill_for_test(int step, int global_rank, bool first_start, const std::string& point);
-
-// Each live replica group saves under its own folder of the --save-dir (one job per folder: a
-// checkpointer locks it), and the newest of them is the run's.
-std::string live_save_dir(const std::string& save_dir, int replica);
-// `path` itself when it is a checkpoint or holds step-N/ folders; else the newest checkpoint of its
-// replica-<R>/ folders (or `path` when it has none).
-std::string newest_live_checkpoint(const std::string& path);
-
-// A hash of this rank's shards and their optimizer state, to compare replicas bit for bit.
-std::string state_hash(const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer);
+// With FSDP_FAULT_SLOW_MS=N each step of the ranks in FSDP_FAULT_SLOW_RANKS (every rank when
+// unset) starts N ms late: a slow group (or a slow checkpoint save between steps).
+void maybe_slow_for_test(int global_rank);
+// With FSDP_FAULT_AVERAGE_FAILS_FROM=S the replica average of the ranks in
+// FSDP_FAULT_AVERAGE_FAIL_RANKS fails from step S on, every time: a failure that repeats.
+bool replica_average_fails_for_test(int step, int global_rank);
 
 }  // namespace train

@@ -21,6 +21,7 @@
 #include "fsdp/plan.h"
 #include "fsdp/process_memory.h"
 #include "link_counters.h"
+#include "fsdp/live_manager.h"
 #include "live_training.h"
 #include "memory_log.h"
 #include "metrics_log.h"
@@ -325,7 +326,7 @@ int train(const Config& c) {
                                 "instead of --run-dir");
   }
   const std::optional<RunFolder> run = plain || simulated || live ? std::nullopt : RunFolder::create(c, *world);
-  const std::string save_dir = live && !c.save_dir.empty() ? live_save_dir(c.save_dir, live->replica())
+  const std::string save_dir = live && !c.save_dir.empty() ? fsdp::live_checkpoint_dir(c.save_dir, live->replica())
                                : !c.save_dir.empty()       ? c.save_dir
                                : run                       ? run->checkpoints()
                                                            : "";
@@ -352,7 +353,7 @@ int train(const Config& c) {
   const bool replacement = live && live->replicas().is_replacement();
   std::string resume = replacement ? "" : c.resume;
   if (resume.empty() && restarted && !replacement && !save_dir.empty()) resume = live ? c.save_dir : save_dir;
-  if (live && !resume.empty()) resume = newest_live_checkpoint(resume);
+  if (live && !resume.empty()) resume = fsdp::newest_live_checkpoint(resume);
   if (!resume.empty() && c.resume.empty() && !fsdp::find_checkpoint(*world, resume)) {
     if (prints) std::cout << "fsdp-train: restarted, but no checkpoint was saved yet: starting from step 0" << std::endl;
     resume.clear();
@@ -435,6 +436,7 @@ int train(const Config& c) {
   for (int step = start_step; step < c.steps;) {  // ++step at the end: a discarded step is redone
     if (live) {
       step = live->begin_step(step, optim.unique_params, *optim.adamw, metrics_out);
+      maybe_slow_for_test(world_rank);
       if (step >= c.steps) break;
     }
     trainee->begin_step();
@@ -578,7 +580,7 @@ int train(const Config& c) {
   // twin) compare bit for bit.
   if (!plain && !simulated && (c.state_hash || live)) {
     nlohmann::json e = {{"event", "state_hash"}, {"rank", world_rank}, {"shard_rank", rank},
-                        {"hash", state_hash(optim.unique_params, *optim.adamw)}};
+                        {"hash", fsdp::state_digest(optim.unique_params, *optim.adamw)}};
     if (live) e["replica"] = live->replica();
     metrics_out.write(e);
   }

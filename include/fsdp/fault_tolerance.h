@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,15 @@
 
 namespace fsdp {
 
+// Thrown on a rank whose replica group the coordinator left out of the job (a rank of it was stuck
+// past the ready timeout, its failures reached the retry limit, or a peer of it is gone): the other
+// groups train on. Its message says why; a program exits with kLeftOutExitCode (fsdp/launch.h), and
+// starting the group's ranks again makes them rejoin as a replacement.
+class LeftOutOfJob : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 struct CoordinatorOptions {
   int port = 29500;  // where the ranks reach it (their MASTER_PORT); 0: any free port
   // A rank whose heartbeat has not changed for this long is gone. Environment: FSDP_LIVE_DEAD_AFTER_S.
@@ -43,8 +53,10 @@ struct CoordinatorOptions {
   // How long it waits for a replacement when no group is left before it gives up (exit 1).
   std::chrono::milliseconds empty_timeout{std::chrono::seconds(600)};
   // After a discarded step, how long a member whose heartbeat is fresh may take to notice (it
-  // finishes the forward and backward it was in first) before it is dropped as stuck. Keep it
-  // below the ranks' FSDP_LIVE_TIMEOUT_S (120 s), which bounds their wait for the next decision.
+  // finishes the forward and backward it was in first, or the checkpoint it was saving) before it
+  // is dropped as stuck: this, or 3 times the slowest committed round so far when that is longer
+  // (a group with slow steps is never taken for a stuck one). A dropped group's ranks stop and say
+  // why. Environment: FSDP_LIVE_READY_TIMEOUT_S; fsdp-coordinator --ready-timeout.
   std::chrono::milliseconds ready_timeout{std::chrono::seconds(60)};
   std::string events_jsonl;  // its decisions, one JSON object per line ("" : stderr only)
   // Where the store listens: "" every interface (a cluster's coordinator, reached by every host),
@@ -60,7 +72,8 @@ struct CoordinatorOptions {
   // Called once the job's end is decided, before the coordinator lingers for the last ranks: with
   // 0 when every step was trained, 1 when no group with the job's state is left.
   std::function<void(int verdict)> on_end;
-  static CoordinatorOptions from_environment();  // the defaults with FSDP_LIVE_DEAD_AFTER_S and the secret applied
+  // The defaults with FSDP_LIVE_DEAD_AFTER_S, FSDP_LIVE_READY_TIMEOUT_S and the secret applied.
+  static CoordinatorOptions from_environment();
 };
 
 // Hosts the ranks' store on `port` and decides every round until all members finished training
@@ -74,6 +87,16 @@ struct LiveOptions {
   // Membership changes fixed in advance, "out:R@S,in:R@T": replica group R sits out from step S
   // and comes back at step T (a run to compare a failure with). Every rank must say the same.
   std::string schedule;
+  // The fewest replica groups a step may run with (torchft's min_replica_size): with fewer, the
+  // coordinator waits for groups to join (up to its empty_timeout) and the members wait with it.
+  // Every rank must say the same. Environment: FSDP_LIVE_MIN_REPLICAS.
+  int min_replicas = 1;
+  // How many times a step may be redone in a row with the same groups before one of them is left
+  // out (torchft's max_retries): a failure that repeats every round (a partition between two
+  // groups, a state transfer that always fails) would otherwise be retried forever. The group left
+  // out is a joining one, else the highest-numbered that failed; its ranks stop and say why.
+  // -1: no limit. Every rank must say the same. Environment: FSDP_LIVE_MAX_RETRIES.
+  int max_retries = 3;
   std::chrono::milliseconds heartbeat{std::chrono::milliseconds(200)};
   // How long a rank waits for the coordinator's next decision before it stops with an error, and
   // how long its heartbeat may go unanswered (a cut link) before a watchdog stops the process.
@@ -125,6 +148,7 @@ class LiveReplicas {
   int replica() const;     // which group, RANK / F
   int replicas() const;    // R, the job's groups when all are in
   int generation() const;  // 1 for the ranks the job started with, then one more per replacement
+  int64_t total_steps() const;  // LiveOptions::total_steps
   bool is_replacement() const { return generation() > 1; }
 
   // What makes this job this job, item by item (fsdp-train declares the model's structure, shapes
@@ -134,6 +158,13 @@ class LiveReplicas {
   // naming the first item that differs and both values, before it asks to join and before any
   // state moves, so the groups in the job train on. A second call must declare the same items.
   void declare_identity(const std::map<std::string, std::string>& items);
+
+  // The user's own state a joining group needs besides the parameters and the optimizer (a data
+  // loader's position, a scheduler, a gradient scaler's scale, an RNG): `save` runs on the source
+  // group's ranks and `load` on the joining group's, in the round it joins, after the parameters
+  // and optimizer state arrived. Register the same names on every rank, before the first round.
+  void register_state(const std::string& name, std::function<std::string()> save,
+                      std::function<void(const std::string&)> load);
 
   // Waits for the coordinator's next round. `held_step` is the step this rank's state is at (the
   // next step it would run). When a group joins, the source group's values of `params` (this

@@ -35,6 +35,10 @@ namespace fsdp {
 //                      `job_running` says whether it still runs: a rank that fails once it returns
 //                      false is not restarted, and only such failures make the exit code.
 enum class RestartScope { job, rank };
+// The exit code of a rank whose live replica group the coordinator left out of the job
+// (fsdp::LeftOutOfJob): with RestartScope::rank it is restarted like any failure while the job
+// runs, and once the job has ended it is not the job's failure (the others trained every step).
+inline constexpr int kLeftOutExitCode = 3;
 int launch_local(int nproc, const std::vector<std::string>& argv, int master_port = 0, int max_restarts = 0,
                  RestartScope scope = RestartScope::job, const std::function<bool()>& job_running = {});
 

@@ -151,7 +151,9 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
           // The coordinator decides what the others do; this rank comes back as a replacement.
           const bool running_on = !job_running || job_running();
           if (!running_on) {
-            if (first_failure == 0) first_failure = code;  // after the job's end: its own failure
+            // After the job's end: its own failure, unless its group was only left out of a job
+            // that the others finished.
+            if (first_failure == 0 && code != kLeftOutExitCode) first_failure = code;
           } else if (*restarts < max_restarts && g_stop_signal == 0) {
             ++*restarts;
             std::cerr << "fsdp launcher: starting rank " << r << " again (restart " << *restarts << " of "

@@ -1,33 +1,19 @@
-// A rank of a live replica group (fsdp/fault_tolerance.h): its side of the quorum protocol
-// (quorum.h), the replica process group of each epoch, the state a joining group receives, and
-// the once-per-step average over the members.
-//
-// Rank states, in order: connected -> admitted (its group is in a round) -> in a round -> done
-// (commit or discard) -> the next round, or sitting out (back to asking to join). A failure of a
-// replica collective never reaches the model: the engine's collectives stay inside the group
-// (its F ranks, one host), and the one collective across groups runs after backward, here. When a
-// member fails, the others' collective either errors (its sockets closed) or never completes (a
-// host that vanished sends nothing): the coordinator then discards the round, and a rank waiting
-// on it abandons the group (its threads end at their own timeout; it is never reused).
+// A rank of a live replica group (fsdp/fault_tolerance.h): connecting to the job (its config,
+// its identity, its heartbeat and watchdog), and the calls of a step: the round, the average over
+// the members, the commit. The rank's state and protocol are in live_rank.h.
 #include "fsdp/fault_tolerance.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
-#include <map>
-#include <set>
 #include <stdexcept>
 #include <thread>
 
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "checkpoint/optimizer_state.h"
-#include "comm/mesh_state.h"
 #include "fault_tolerance/job_identity.h"
-#include "fault_tolerance/quorum.h"
+#include "fault_tolerance/live_rank.h"
 #include "fault_tolerance/value_signing.h"
 
 namespace fsdp {
@@ -40,279 +26,16 @@ using detail::Round;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
-std::chrono::milliseconds seconds_from_env(const char* name, std::chrono::milliseconds fallback) {
-  const char* raw = std::getenv(name);
-  if (raw == nullptr || *raw == '\0') return fallback;
-  char* end = nullptr;
-  const double s = std::strtod(raw, &end);
-  if (end == raw || *end != '\0' || !(s > 0) || s > 1e6) {
-    throw std::invalid_argument(std::string("fsdp: ") + name + "='" + raw + "' is not a positive number of seconds");
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
-}
-
-c10::intrusive_ptr<c10d::TCPStore> client(const LaunchEnv& env, std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(env.master_port);
-  so.isServer = false;
-  so.waitWorkers = false;
-  so.timeout = timeout;
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-  } catch (const std::exception& e) {
-    throw std::runtime_error("fsdp: rank " + std::to_string(env.rank) + " cannot reach the live replicas' coordinator at " +
-                             env.master_addr + ":" + std::to_string(env.master_port) +
-                             ": start fsdp-coordinator there first (MASTER_ADDR/MASTER_PORT name it). (" +
-                             first_line(e.what()) + ")");
-  }
-}
-
-// Tensors packed into flat buffers of one dtype each, and back: one collective per dtype instead
-// of one per tensor.
-struct Packed {
-  std::vector<at::Tensor> buffers;
-  std::vector<std::pair<size_t, int64_t>> where;  // tensor -> (buffer, offset)
-};
-Packed pack(const std::vector<at::Tensor>& tensors) {
-  Packed p;
-  std::map<c10::ScalarType, size_t> buffer_of;
-  std::vector<int64_t> sizes;
-  for (const auto& t : tensors) {
-    auto [it, fresh] = buffer_of.try_emplace(t.scalar_type(), sizes.size());
-    if (fresh) sizes.push_back(0);
-    p.where.emplace_back(it->second, sizes[it->second]);
-    sizes[it->second] += t.numel();
-  }
-  for (const auto& [dtype, b] : buffer_of) {
-    p.buffers.resize(std::max(p.buffers.size(), b + 1));
-    p.buffers[b] = at::empty({sizes[b]}, at::TensorOptions().dtype(dtype));
-  }
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto [b, off] = p.where[i];
-    p.buffers[b].narrow(0, off, tensors[i].numel()).copy_(tensors[i].reshape({-1}));
-  }
-  return p;
-}
-void unpack(const Packed& p, std::vector<at::Tensor>& tensors) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto [b, off] = p.where[i];
-    tensors[i].copy_(p.buffers[b].narrow(0, off, tensors[i].numel()).view(tensors[i].sizes()));
-  }
-}
-
 }  // namespace
 
 LiveOptions LiveOptions::from_environment() {
   LiveOptions o;
-  o.timeout = seconds_from_env("FSDP_LIVE_TIMEOUT_S", o.timeout);
+  o.timeout = detail::seconds_from_environment("FSDP_LIVE_TIMEOUT_S", o.timeout);
+  o.min_replicas = detail::integer_from_environment("FSDP_LIVE_MIN_REPLICAS", o.min_replicas, 1, 1 << 20);
+  o.max_retries = detail::integer_from_environment("FSDP_LIVE_MAX_RETRIES", o.max_retries, -1, 1 << 20);
   o.secret = detail::live_secret_from_environment();
   return o;
 }
-
-struct LiveReplicas::Impl {
-  LaunchEnv env;
-  LiveOptions options;
-  MeshOptions mesh_options;
-  c10::intrusive_ptr<c10d::TCPStore> store;
-  int F = 1, R = 1, replica = 0, shard_rank = 0, gen = 0;
-  std::shared_ptr<Mesh> mesh;
-  std::thread heartbeat;
-  // The watchdog: a rank whose heartbeat has not reached the coordinator for options.timeout is
-  // cut off (its store calls may block on a link that sends no reset); it stops the process with
-  // the reason, as the NCCL watchdog does. Disarmed once this rank finished training.
-  std::thread watchdog;
-  std::atomic<int64_t> last_beat_ms{0};
-  std::atomic<bool> disarmed{false};
-  std::atomic<bool> stop{false};
-  int64_t next_round = -1;  // -1: this rank's group must ask to be admitted
-  Round round;              // the round in progress
-  int64_t epoch = -1;       // the epoch `group` was built for
-  GroupPtr group;           // this rank's replica process group: the same shard rank in every member
-  bool poisoned = false;    // `group` may be mid-collective: never used again
-
-  std::string key(const std::string& k) const { return kLivePrefix + k; }
-  std::string me() const { return std::to_string(env.rank); }
-
-  // The coordinator's store; losing it is this rank's end, with an error that says so.
-  [[noreturn]] void lost(const std::string& what, const std::exception& e) const {
-    throw std::runtime_error("fsdp: rank " + me() + " (replica group " + std::to_string(replica) + ") " + what +
-                             " the live replicas' coordinator at " + env.master_addr + ":" +
-                             std::to_string(env.master_port) + ": it is gone or unreachable, and with it who is in each "
-                             "step: restart the job from its newest checkpoint (scripts/cluster --max-restarts does). (" + first_line(e.what()) + ")");
-  }
-  // The value of `k` when it carries the job's secret (value_signing.h); nullopt for one that does not.
-  std::optional<std::string> read(const std::string& k) {
-    std::string stored;
-    try {
-      stored = detail::to_string(store->get(key(k)));
-    } catch (const std::exception& e) {
-      lost("lost", e);
-    }
-    return detail::verify_value(options.secret, k, stored);
-  }
-  // Whether `k` holds an authentic value: a forged one counts as none.
-  bool has(const std::string& k) {
-    try {
-      if (!store->check({key(k)})) return false;
-    } catch (const std::exception& e) {
-      lost("lost", e);
-    }
-    return read(k).has_value();
-  }
-  // The authentic value of `k` (which exists): a forged one is never acted on; the coordinator's
-  // write replaces it, so this waits for that, up to the timeout.
-  std::string get(const std::string& k) {
-    const auto t0 = Clock::now();
-    while (true) {
-      if (auto value = read(k)) return *value;
-      if (Clock::now() - t0 > options.timeout) {
-        throw std::runtime_error("fsdp: rank " + me() + ": the value of '" + k + "' in the live replicas' store has not "
-                                 "carried the job's secret for " + std::to_string(options.timeout.count() / 1000) +
-                                 " s: another client keeps writing it, or the coordinator runs without this rank's "
-                                 "FSDP_LIVE_SECRET. This rank acts on nothing unauthenticated and stops");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
-  void set(const std::string& k, const std::string& v) {
-    try {
-      store->set(key(k), detail::to_bytes(detail::sign_value(options.secret, k, v)));
-    } catch (const std::exception& e) {
-      lost("lost", e);
-    }
-  }
-
-  void erase(const std::string& k) {
-    try {
-      store->deleteKey(key(k));
-    } catch (const std::exception& e) {
-      lost("lost", e);
-    }
-  }
-
-  // Blocks until the coordinator writes `k`; its loss or silence is this rank's error.
-  std::string wait_for(const std::string& k, const char* what) {
-    const auto t0 = Clock::now();
-    try {
-      store->wait({key(k)}, options.timeout);
-    } catch (const std::exception& e) {
-      // Its connection closed (it died) or it said nothing for the whole timeout (it hangs, or
-      // the network between is down).
-      if (Clock::now() - t0 < options.timeout) lost("lost", e);
-      lost("got no " + std::string(what) + " within " + std::to_string(options.timeout.count() / 1000) +
-               " s (FSDP_LIVE_TIMEOUT_S) from",
-           e);
-    }
-    return get(k);
-  }
-
-  // A collective on the replica group: done, or abandoned once the coordinator discards the round.
-  void wait_or_abandon(const c10::intrusive_ptr<c10d::Work>& work) {
-    auto last_check = Clock::now();
-    const std::string commit = "commit/" + std::to_string(round.number);
-    while (!work->isCompleted()) {
-      if (Clock::now() - last_check > std::chrono::milliseconds(50)) {
-        last_check = Clock::now();
-        if (has(commit) && read(commit) == std::optional<std::string>("0")) {
-          poisoned = true;
-          throw std::runtime_error("the coordinator discarded the round while this rank waited for its peers");
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    try {
-      work->wait();
-    } catch (...) {
-      poisoned = true;
-      throw;
-    }
-  }
-
-  void drop_group() {
-    // A group left mid-collective has threads blocked until their timeout: destroying it would
-    // wait for them, so it is let go without destruction.
-    if (group && poisoned) (void)group.release();
-    group.reset();
-    epoch = -1;
-    poisoned = false;
-  }
-
-  void build_group(const std::shared_ptr<Mesh>& m) {
-    drop_group();
-    const auto pos = std::find(round.members.begin(), round.members.end(), replica) - round.members.begin();
-    auto prefix = c10::make_intrusive<c10d::PrefixStore>(
-        kLivePrefix + "epoch" + std::to_string(round.epoch) + "/shard" + std::to_string(shard_rank) + "/", store);
-    group = detail::MeshState::of(*m).make_group_on(prefix, "replicas", static_cast<int>(pos),
-                                                   static_cast<int>(round.members.size()), c10::DeviceType::CPU);
-    epoch = round.epoch;
-  }
-
-  // The source's parameters, optimizer state and step, sent to every member (the others hold the
-  // same values already; they receive them too, which keeps this one broadcast).
-  int64_t sync_state(int64_t held_step, const std::vector<at::Tensor>& params, torch::optim::Optimizer* optimizer,
-                     int64_t* bytes) {
-    const int root = static_cast<int>(std::find(round.members.begin(), round.members.end(), round.source) -
-                                      round.members.begin());
-    std::unique_ptr<OptimizerStateAdapter> adapter;
-    if (optimizer) adapter = OptimizerStateAdapter::for_optimizer(*optimizer);
-    const std::vector<std::string> keys = adapter ? adapter->tensor_keys() : std::vector<std::string>{};
-    const int64_t per = 2 + static_cast<int64_t>(keys.size());
-    // The header: the step, then per parameter whether it has state, its step and which tensors.
-    at::Tensor header = at::zeros({1 + static_cast<int64_t>(params.size()) * per}, at::kLong);
-    auto h = header.accessor<int64_t, 1>();
-    h[0] = held_step;
-    for (size_t i = 0; i < params.size() && adapter; ++i) {
-      const ParamOptimState s = adapter->get(*optimizer, params[i]);
-      h[1 + i * per] = s.present ? 1 : 0;
-      h[2 + i * per] = s.step;
-      for (size_t k = 0; k < keys.size(); ++k) h[3 + i * per + k] = s.tensors.count(keys[k]) ? 1 : 0;
-    }
-    broadcast({header}, root);
-    // Every member's state takes the source's shape, then the source's values.
-    std::vector<at::Tensor> tensors;
-    for (size_t i = 0; i < params.size(); ++i) tensors.push_back(params[i].detach());
-    for (size_t i = 0; i < params.size() && adapter; ++i) {
-      ParamOptimState mine = adapter->get(*optimizer, params[i]);
-      ParamOptimState want;
-      want.present = h[1 + i * per] != 0;
-      want.step = h[2 + i * per];
-      for (size_t k = 0; k < keys.size() && want.present; ++k) {
-        if (h[3 + i * per + k] == 0) continue;
-        auto it = mine.tensors.find(keys[k]);
-        want.tensors[keys[k]] = it != mine.tensors.end() && it->second.sizes() == params[i].sizes()
-                                    ? it->second
-                                    : at::zeros_like(params[i].detach());
-        tensors.push_back(want.tensors[keys[k]]);
-      }
-      adapter->set(*optimizer, params[i], want);
-    }
-    Packed packed = pack(tensors);
-    broadcast(packed.buffers, root);
-    unpack(packed, tensors);
-    *bytes = 0;
-    for (const auto& b : packed.buffers) *bytes += b.numel() * static_cast<int64_t>(b.element_size());
-    return h[0];
-  }
-
-  void broadcast(std::vector<at::Tensor> tensors, int root) {
-    for (auto& t : tensors) {
-      std::vector<at::Tensor> one{t};
-      c10d::BroadcastOptions o;
-      o.rootRank = root;
-      wait_or_abandon(group->broadcast(one, o));
-    }
-  }
-
-  // A round this rank cannot run: says so, learns the verdict, and says it is ready for the next.
-  void discard(const std::string& why) {
-    const std::string q = std::to_string(round.number);
-    set("done/" + q + "/" + me(), "fail: " + why);
-    wait_for("commit/" + q, "verdict");
-    poisoned = true;
-    set("ready/" + std::to_string(round.number + 1) + "/" + me(), "1");
-    next_round = round.number + 1;
-  }
-};
 
 LiveReplicas::LiveReplicas(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -351,8 +74,13 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
   impl->replica = env.rank / F;
   impl->shard_rank = env.rank % F;
   detail::parse_schedule(options.schedule, impl->R);  // refused here, with the item, before it reaches anyone
-  impl->store = client(env, mesh_options.init_timeout);
-  detail::LiveConfig cfg{env.world_size, F, options.total_steps, options.schedule};
+  impl->store = detail::coordinator_client(env, mesh_options.init_timeout);
+  if (options.min_replicas < 1 || options.min_replicas > impl->R) {
+    throw std::invalid_argument("fsdp: live replicas' min_replicas " + std::to_string(options.min_replicas) +
+                                " is not between 1 and the job's " + std::to_string(impl->R) + " replica groups");
+  }
+  detail::LiveConfig cfg{env.world_size, F, options.total_steps, options.min_replicas, options.max_retries,
+                         options.schedule};
   const std::string mine = cfg.encode();
   const std::string stored = detail::to_string(
       impl->store->compareSet(impl->key("config"), {}, detail::to_bytes(detail::sign_value(options.secret, "config", mine))));
@@ -390,7 +118,7 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
   }
   impl->gen = static_cast<int>(impl->store->add(impl->key("incarnation/" + impl->me()), 1));
   // The heartbeat has a connection of its own: the main one blocks while it waits for decisions.
-  auto beat_store = client(env, mesh_options.init_timeout);
+  auto beat_store = detail::coordinator_client(env, mesh_options.init_timeout);
   Impl* p = impl.get();
   auto now_ms = [] {
     return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
@@ -418,7 +146,7 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
     while (!p->stop) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       if (p->disarmed || now_ms() - p->last_beat_ms < p->options.timeout.count()) continue;
-      const std::string msg = "fsdp-train: error: fsdp: rank " + p->me() + " (replica group " +
+      const std::string msg = "fsdp: error: rank " + p->me() + " (replica group " +
                               std::to_string(p->replica) + ") has not reached the live replicas' coordinator at " +
                               p->env.master_addr + ":" + std::to_string(p->env.master_port) + " for " +
                               std::to_string(p->options.timeout.count() / 1000) +
@@ -451,6 +179,7 @@ const std::shared_ptr<Mesh>& LiveReplicas::replica_mesh() const { return impl_->
 int LiveReplicas::replica() const { return impl_->replica; }
 int LiveReplicas::replicas() const { return impl_->R; }
 int LiveReplicas::generation() const { return impl_->gen; }
+int64_t LiveReplicas::total_steps() const { return impl_->options.total_steps; }
 
 void LiveReplicas::declare_identity(const std::map<std::string, std::string>& items) {
   Impl& s = *impl_;
@@ -468,6 +197,14 @@ void LiveReplicas::declare_identity(const std::map<std::string, std::string>& it
                                 std::to_string(s.gen) + ") is not the same job as the live one: " + *why +
                                 ". It does not join, and the groups in the job train on; start it with the job's "
                                 "flags (model, optimizer, strategy, data, seed)");
+  }
+}
+
+void LiveReplicas::register_state(const std::string& name, std::function<std::string()> save,
+                                  std::function<void(const std::string&)> load) {
+  if (!save || !load) throw std::invalid_argument("fsdp: register_state('" + name + "') needs a save and a load function");
+  if (!impl_->user_states.emplace(name, Impl::UserState{std::move(save), std::move(load)}).second) {
+    throw std::invalid_argument("fsdp: a live state named '" + name + "' is registered already");
   }
 }
 
@@ -511,7 +248,8 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
     if (!s.round.has(s.replica)) {
       const bool sitting_out = std::count(s.round.sitting_out.begin(), s.round.sitting_out.end(), s.replica) > 0;
       if (!sitting_out) {
-        throw std::runtime_error("fsdp: replica group " + std::to_string(s.replica) + " was dropped from the job at step " +
+        s.check_dropped();  // the coordinator's reason, when it left this group out
+        throw LeftOutOfJob("fsdp: replica group " + std::to_string(s.replica) + " was dropped from the job at step " +
                                  std::to_string(s.round.step) + " (a rank of it stopped responding or failed); the "
                                  "other groups train on. Restart this group's ranks to rejoin");
       }
@@ -526,7 +264,7 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
                                std::to_string(s.round.generation.at(s.replica)) + ": a newer rank took its place");
     }
     try {
-      if (s.round.epoch != s.epoch || s.poisoned || !s.group) s.build_group(s.mesh);
+      if (s.round.epoch != s.epoch || s.poisoned || !s.group) s.build_group();
       out.wait_ms = ms_since(t0);
       if (!s.round.joining.empty()) {
         const auto t1 = Clock::now();
@@ -555,13 +293,13 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
 bool LiveReplicas::average(std::vector<at::Tensor>& tensors, std::string* why) {
   Impl& s = *impl_;
   try {
-    Packed packed = pack(tensors);
+    detail::Packed packed = detail::pack(tensors);
     for (auto& b : packed.buffers) {
       std::vector<at::Tensor> one{b};
       s.wait_or_abandon(s.group->allreduce(one));
       b.div_(static_cast<double>(s.round.members.size()));
     }
-    unpack(packed, tensors);
+    detail::unpack(packed, tensors);
     return true;
   } catch (const std::exception& e) {
     if (why) *why = first_line(e.what());

@@ -1,5 +1,6 @@
 #include "fault_tolerance/quorum.h"
 
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 
@@ -71,7 +72,8 @@ std::vector<ScheduledChange> parse_schedule(const std::string& text, int replica
 
 std::string LiveConfig::encode() const {
   return kLiveProtocol + " " + std::to_string(world_size) + " " + std::to_string(ranks_per_replica) + " " +
-         std::to_string(total_steps) + " " + schedule;
+         std::to_string(total_steps) + " " + std::to_string(min_replicas) + " " + std::to_string(max_retries) + " " +
+         schedule;
 }
 
 LiveConfig LiveConfig::decode(const std::string& text) {
@@ -82,7 +84,7 @@ LiveConfig LiveConfig::decode(const std::string& text) {
   if (version != kLiveProtocol) {
     throw std::runtime_error("fsdp: the live job's config '" + text.substr(0, 80) + "' is not of protocol " + kLiveProtocol);
   }
-  in >> c.world_size >> c.ranks_per_replica >> c.total_steps;
+  in >> c.world_size >> c.ranks_per_replica >> c.total_steps >> c.min_replicas >> c.max_retries;
   std::getline(in >> std::ws, c.schedule);
   if (!in.eof() && in.fail()) throw std::runtime_error("fsdp: the live job's config '" + text + "' is damaged");
   return c;
@@ -111,6 +113,28 @@ std::optional<int64_t> parse_integer(const std::string& text) {
   } catch (const std::exception&) {
     return std::nullopt;
   }
+}
+
+std::chrono::milliseconds seconds_from_environment(const char* name, std::chrono::milliseconds fallback) {
+  const char* raw = std::getenv(name);
+  if (raw == nullptr || *raw == '\0') return fallback;
+  char* end = nullptr;
+  const double s = std::strtod(raw, &end);
+  if (end == raw || *end != '\0' || !(s > 0) || s > 1e6) {
+    throw std::invalid_argument(std::string("fsdp: ") + name + "='" + raw + "' is not a positive number of seconds");
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+}
+
+int integer_from_environment(const char* name, int fallback, int low, int high) {
+  const char* raw = std::getenv(name);
+  if (raw == nullptr || *raw == '\0') return fallback;
+  const auto v = parse_integer(raw);
+  if (!v || *v < low || *v > high) {
+    throw std::invalid_argument(std::string("fsdp: ") + name + "='" + raw + "' is not a whole number from " +
+                                std::to_string(low) + " to " + std::to_string(high));
+  }
+  return static_cast<int>(*v);
 }
 
 std::string to_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }

@@ -2,8 +2,10 @@
 // (live_replicas.cpp), spoken through the store the coordinator hosts. Every key is under
 // "fsdp/live/"; g is a global rank, r a replica group, q a round:
 //
-//   config                 "fsdp-live/2 W F steps schedule" of the job (the protocol's version first); the first rank sets it, the others
-//                          must find the same (a mismatched launch is refused before training)
+//   config                 "fsdp-live/3 W F steps min_replicas max_retries schedule" of the job (the
+//                          protocol's version first); the first rank sets it, the others must find
+//                          the same (a mismatched launch is refused before training)
+//   identity               the job's identity items (job_identity.h): a joiner of another job is refused
 //   incarnation/g          a counter: the generation of each process that has been rank g
 //   hb/g                   "gen:counter", rewritten every heartbeat by a thread of rank g
 //   join/g                 "gen:step": rank g (generation gen, state at step) asks to be in a round
@@ -13,6 +15,10 @@
 //   commit/q               "1": every member finished the step; "0": discard it
 //   ready/q/g              after a discarded round: rank g is alive and wants round q
 //   finished/g             rank g trained every step
+//   dropped/g              "gen:why": the coordinator left rank g's group out of the job (a rank of it
+//                          was stuck past the ready timeout, or its failures hit the retry limit);
+//                          the rank stops with `why` instead of waiting for rounds it is not in
+//   end                    "1": every step was trained; "lost": no group with the job's state is left
 //
 // A round is one attempt at one step. Its members are whole replica groups (all F ranks of a
 // generation, every heartbeat fresh). The members of round q + 1 are those of q, less groups with
@@ -21,6 +27,7 @@
 // a store prefix named after it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -34,7 +41,7 @@ namespace fsdp::detail {
 
 inline const std::string kLivePrefix = "fsdp/live/";
 // The protocol's version, first in the config: a rank of another build is refused by name.
-inline const std::string kLiveProtocol = "fsdp-live/2";
+inline const std::string kLiveProtocol = "fsdp-live/3";
 
 struct Round {
   int64_t number = 0;
@@ -62,11 +69,13 @@ struct ScheduledChange {
 // "out:1@5,in:1@8" -> the changes; throws std::invalid_argument saying what is wrong.
 std::vector<ScheduledChange> parse_schedule(const std::string& text, int replicas);
 
-// "W F steps schedule" and back.
+// "W F steps min_replicas max_retries schedule" and back.
 struct LiveConfig {
   int world_size = 0;
   int ranks_per_replica = 0;
   int64_t total_steps = 0;
+  int min_replicas = 1;  // LiveOptions::min_replicas
+  int max_retries = 3;   // LiveOptions::max_retries
   std::string schedule;
   std::string encode() const;
   static LiveConfig decode(const std::string& text);
@@ -76,6 +85,12 @@ struct LiveConfig {
 // would end the coordinator): "a:b" of two integers (a heartbeat's or a join's), one integer.
 std::optional<std::pair<int64_t, int64_t>> parse_pair(const std::string& text);
 std::optional<int64_t> parse_integer(const std::string& text);
+
+// A positive number of seconds from the environment variable `name`, or `fallback` when unset;
+// throws std::invalid_argument naming the variable for anything else.
+std::chrono::milliseconds seconds_from_environment(const char* name, std::chrono::milliseconds fallback);
+// A whole number from `name` within [low, high], or `fallback` when unset.
+int integer_from_environment(const char* name, int fallback, int low, int high);
 
 std::string to_string(const std::vector<uint8_t>& bytes);
 std::vector<uint8_t> to_bytes(const std::string& text);
