@@ -140,7 +140,8 @@ struct HandRun {
 };
 
 HandRun live_job_by_hand(const std::string& job, const std::string& replacement_flags, const std::string& stray = "",
-                         bool duplicate = false, bool freeze = false) {
+                         bool duplicate = false, bool freeze = false, const std::string& exports = "",
+                         int replacement_delay_s = 0) {
   const std::string dir = fsdp_test::fresh_dir("ft-hand");
   const std::string script = dir + "/run.sh";
   {
@@ -151,7 +152,7 @@ HandRun live_job_by_hand(const std::string& job, const std::string& replacement_
         << "C=$!\n"
         << "for i in $(seq 100); do PORT=$(sed -n 's/.*listening on port \\([0-9]*\\).*/\\1/p' coordinator.log); "
            "[ -n \"$PORT\" ] && break; sleep 0.1; done\n"
-        << (freeze ? "export FSDP_LIVE_TIMEOUT_S=5\n" : "")
+        << (freeze ? "export FSDP_LIVE_TIMEOUT_S=5\n" : "") << (exports.empty() ? "" : "export " + exports + "\n")
         << "rank() { env RANK=$1 WORLD_SIZE=4 LOCAL_RANK=$1 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT "
            "$2 " << fsdp_test::fsdp_train() << " " << job << " --metrics-jsonl m$1$3.jsonl $4 > $3rank$1.log 2>&1; "
            "echo $? > $3rank$1.exit; }\n"
@@ -170,7 +171,7 @@ HandRun live_job_by_hand(const std::string& job, const std::string& replacement_
       }
     } else {
       out << "for r in 0 1 2 3; do rank $r \"FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_RANKS=2,3\" \"\" \"\" & done\n"
-          << "while [ ! -f rank2.exit ] || [ ! -f rank3.exit ]; do sleep 0.1; done\n"
+          << "while [ ! -f rank2.exit ] || [ ! -f rank3.exit ]; do sleep 0.1; done\nsleep " << replacement_delay_s << "\n"
           << "for r in 2 3; do rank $r \"\" again \"" << replacement_flags << "\" & done\n";
     }
     out << "wait $C; echo $? > coordinator.exit\n[ -n \"${S:-}\" ] && kill $S 2>/dev/null; wait\n";
@@ -300,6 +301,25 @@ TEST(FaultTolerance, AFrozenCoordinatorStopsEveryRankWithinTheTimeout) {
     EXPECT_NE(h.output.at(r).find("has not reached the live replicas' coordinator"), std::string::npos)
         << r << ": " << h.output.at(r);
   }
+}
+
+// LiveOptions::min_replicas (FSDP_LIVE_MIN_REPLICAS=2 of 2 groups): group 1 dies at step 3 and its
+// replacement starts 8 s later. Group 0 waits for it instead of training alone (the coordinator's
+// "waiting" keeps its ranks from timing out after FSDP_LIVE_TIMEOUT_S, 4 s here), so every step is
+// trained by both groups: the bits of the undisturbed run.
+TEST(FaultTolerance, AMinimumOfReplicaGroupsHoldsTheStepsBack) {
+  const std::string job = kTiny + "--strategy hybrid_shard --shard-size 2 --live-replicas --steps 12 ";
+  const auto want = undisturbed_hashes(job);
+  const HandRun h = live_job_by_hand(job, " ", "", false, false, "FSDP_LIVE_MIN_REPLICAS=2 FSDP_LIVE_TIMEOUT_S=4", 8);
+  EXPECT_NE(h.output.at("coordinator").find("fewer than the job's minimum of 2; waiting for more to join"),
+            std::string::npos)
+      << h.output.at("coordinator");
+  for (const std::string r : {"rank0", "rank1", "againrank2", "againrank3", "coordinator"}) {
+    EXPECT_EQ(h.exit.at(r), 0) << r << ": " << h.output.at(r);
+  }
+  const auto got = hashes(h.rows);
+  ASSERT_EQ(got.size(), 4u) << h.output.at("rank0");
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(got.at(r)["hash"], want.at(r)["hash"]) << "rank " << r;
 }
 
 // Issue 37, item 8: a group the schedule lets back in at the last step (in:1@8 of 8 steps). Before,

@@ -54,7 +54,7 @@ std::unique_ptr<LiveTraining> LiveTraining::connect(const Config& c, const fsdp:
   o.ranks_per_replica = ranks_per_replica(c, env.local_world_size);
   o.total_steps = c.steps;
   o.schedule = c.live_schedule;
-  return std::unique_ptr<LiveTraining>(new LiveTraining(c, fsdp::LiveReplicas::connect(env, o)));
+  return std::unique_ptr<LiveTraining>(new LiveTraining(c, fsdp::LiveManager::connect(env, o)));
 }
 
 void LiveTraining::declare_identity(const torch::nn::Module& model, const std::string& workload) {
@@ -80,14 +80,19 @@ nlohmann::json LiveTraining::event(const std::string& name) const {
   return {{"event", name},
           {"rank", fsdp::LaunchEnv::from_environment().rank},
           {"replica", live_->replica()},
-          {"generation", live_->generation()},
+          {"generation", live_->replicas().generation()},
           {"time", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()}};
 }
 
-int LiveTraining::begin_step(int held_step, const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer,
-                             JsonlWriter& out) {
+void LiveTraining::track(fsdp::FullyShardedDataParallelBase& model, torch::optim::Optimizer& optimizer) {
+  live_->track(model, optimizer);
+}
+
+int LiveTraining::begin_step(int held_step, JsonlWriter& out) {
   const auto t0 = Clock::now();
-  const fsdp::LiveRound round = live_->next_round(held_step, params, &optimizer);
+  live_->set_step(held_step);
+  (void)live_->start_step();
+  const fsdp::LiveRound& round = live_->round();
   const auto t1 = Clock::now();
   if (round.step >= c_.steps) return static_cast<int>(round.step);
   step_ = static_cast<int>(round.step);
@@ -133,25 +138,25 @@ int LiveTraining::begin_step(int held_step, const std::vector<torch::Tensor>& pa
   return static_cast<int>(round.step);
 }
 
-bool LiveTraining::end_step(const std::vector<torch::Tensor>& params, double* loss, double step_ms, JsonlWriter& out) {
-  // One message: the gradient shards (each the group's mean already) and the group's mean loss.
-  std::vector<at::Tensor> tensors;
-  for (const auto& p : params) {
-    if (p.grad().defined()) tensors.push_back(p.grad());
-  }
+bool LiveTraining::end_step(double* loss, double step_ms, JsonlWriter& out) {
+  // One average: the gradient shards (each the group's mean already) and the group's mean loss.
   at::Tensor l = torch::full({1}, *loss, torch::kFloat);
-  tensors.push_back(l);
   std::string why = "this rank's replica average failed (FSDP_FAULT_AVERAGE_FAILS_FROM)";
-  const int global_rank = fsdp::LaunchEnv::from_environment().rank;
-  const bool ok = !replica_average_fails_for_test(step_, global_rank) && live_->average(tensors, &why);
-  const bool committed = live_->commit(ok, why);
+  bool ok = true, committed = false;
+  if (replica_average_fails_for_test(step_, fsdp::LaunchEnv::from_environment().rank)) {
+    ok = false;
+    committed = live_->replicas().commit(false, why);
+  } else {
+    committed = live_->should_commit({l});
+    why = live_->last_failure();
+  }
   if (committed) {
     *loss = l.item<double>();  // the mean over every member rank's equal slice
     return true;
   }
   discarded_at_ = Clock::now();
   nlohmann::json e = event("step_discarded");
-  e["why"] = ok ? "another member failed" : why;
+  e["why"] = why;
   e["lost_ms"] = step_ms;
   out.write(e);
   if (prints()) {

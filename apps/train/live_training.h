@@ -15,6 +15,7 @@
 
 #include "config.h"
 #include "fsdp/fault_tolerance.h"
+#include "fsdp/live_manager.h"
 #include "metrics_log.h"
 
 namespace train {
@@ -29,18 +30,20 @@ class LiveTraining {
   // F: --shard-size, or the ranks of a host.
   static int ranks_per_replica(const Config& c, int local_world_size);
 
-  fsdp::LiveReplicas& replicas() { return *live_; }
+  fsdp::LiveReplicas& replicas() { return live_->replicas(); }
   const std::shared_ptr<fsdp::Mesh>& mesh() const { return live_->replica_mesh(); }
   // What fsdp runs inside a group: full_shard for hybrid_shard, shard_grad_op for hybrid_shard_zero2.
   static std::string strategy_within(const std::string& strategy);
 
+  // What a joining group copies: the wrapped model's shards and the optimizer's state (once, before
+  // the first step).
+  void track(fsdp::FullyShardedDataParallelBase& model, torch::optim::Optimizer& optimizer);
   // Before a step: waits for the round (a joining group receives the state here) and logs what
   // changed. Returns the step to run; >= c.steps when the job ended.
-  int begin_step(int held_step, const std::vector<torch::Tensor>& params, torch::optim::Optimizer& optimizer,
-                 JsonlWriter& out);
+  int begin_step(int held_step, JsonlWriter& out);
   // After backward: averages this rank's gradient shards and the group's mean loss over the
   // round's members, and commits. False: the step is discarded (logged); the loop redoes it.
-  bool end_step(const std::vector<torch::Tensor>& params, double* loss, double step_ms, JsonlWriter& out);
+  bool end_step(double* loss, double step_ms, JsonlWriter& out);
   // The lowest member of the round saves checkpoints and writes the model: one copy of each.
   // Declares the job's identity (fsdp::LiveReplicas::declare_identity): the model's parameter
   // names, shapes and dtypes (before sharding), the optimizer and its settings, the strategy, the
@@ -52,11 +55,11 @@ class LiveTraining {
   int replica() const { return live_->replica(); }
 
  private:
-  LiveTraining(const Config& c, std::shared_ptr<fsdp::LiveReplicas> live) : c_(c), live_(std::move(live)) {}
+  LiveTraining(const Config& c, std::unique_ptr<fsdp::LiveManager> live) : c_(c), live_(std::move(live)) {}
   nlohmann::json event(const std::string& name) const;
 
   const Config& c_;
-  std::shared_ptr<fsdp::LiveReplicas> live_;
+  std::unique_ptr<fsdp::LiveManager> live_;
   std::vector<int> members_;
   int step_ = 0;  // the step of the round in progress
   std::optional<std::chrono::steady_clock::time_point> discarded_at_;  // the last discarded step's end

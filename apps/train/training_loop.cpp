@@ -297,6 +297,7 @@ int train(const Config& c) {
                                    : c.strategy);
   }
   Optimizer optim = make_optimizer(*model, c);  // after sharding: it steps this rank's shards
+  if (live) live->track(*trainee->wrapped(), *optim.adamw);  // what a joining group copies
   if (c.local) trainee = local_trainee(model, optim.unique_params);
   if (c.ddp_baseline) trainee = ddp_trainee(model, mesh, optim.unique_params);
   // Dropout draws each rank's masks from its own stream (the same seed would give every rank the
@@ -435,7 +436,7 @@ int train(const Config& c) {
   summary.begin();
   for (int step = start_step; step < c.steps;) {  // ++step at the end: a discarded step is redone
     if (live) {
-      step = live->begin_step(step, optim.unique_params, *optim.adamw, metrics_out);
+      step = live->begin_step(step, metrics_out);
       maybe_slow_for_test(world_rank);
       if (step >= c.steps) break;
     }
@@ -483,7 +484,7 @@ int train(const Config& c) {
     maybe_kill_for_test(step, world_rank, !restarted && !replacement, "backward");
     // The global batch's mean loss: the mean of the ranks' means (equal slices).
     double mean_loss = global_mean(*mesh, loss);
-    if (live && !live->end_step(optim.unique_params, &mean_loss, ms_since(t0), metrics_out)) {
+    if (live && !live->end_step(&mean_loss, ms_since(t0), metrics_out)) {
       optim.adamw->zero_grad();  // discarded: the next round redoes this step
       continue;
     }

@@ -107,31 +107,33 @@ void LiveReplicas::Impl::check_dropped() {
                            "ranks again to rejoin (they take the job's state from a live group)");
 }
 
-// Polls rather than blocks: a rank left out of the job learns it here (dropped/g) instead of
-// waiting out the timeout for a decision that names others, and a round the coordinator holds
-// back for too few groups (waiting/q) is waited for as long as it says so.
+// Waits in slices of 250 ms: between them a rank left out of the job learns it (dropped/g)
+// instead of waiting out the timeout for a decision that names others, and a round the
+// coordinator holds back for too few groups (waiting/q) is waited for as long as it says so. A
+// slice that times out leaves the connection usable (the store cancels the wait: CANCEL_WAIT).
 std::string LiveReplicas::Impl::wait_for(const std::string& k, const char* what) {
-  auto since = Clock::now();
+  constexpr auto kSlice = std::chrono::milliseconds(250);
   const std::string round_prefix = "round/";
   const std::string waiting =
       k.rfind(round_prefix, 0) == 0 ? "waiting/" + k.substr(round_prefix.size()) : std::string();
-  auto last_dropped_check = Clock::time_point{};
+  auto since = Clock::now();
   while (true) {
-    if (has(k)) return get(k);
-    if (Clock::now() - last_dropped_check > std::chrono::milliseconds(250)) {
-      last_dropped_check = Clock::now();
-      check_dropped();
-      if (!waiting.empty() && has(waiting)) since = Clock::now();
+    const auto t0 = Clock::now();
+    try {
+      store->wait({key(k)}, kSlice);
+      return get(k);
+    } catch (const std::exception& e) {
+      // A slice that ended early: its connection closed (the coordinator died).
+      if (Clock::now() - t0 < kSlice / 2) lost("lost", e);
     }
+    check_dropped();
+    if (!waiting.empty() && has(waiting)) since = Clock::now();
     if (Clock::now() - since > options.timeout) {
       // It said nothing for the whole timeout while its store answers: it hangs.
       lost("got no " + std::string(what) + " within " + std::to_string(options.timeout.count() / 1000) +
                " s (FSDP_LIVE_TIMEOUT_S) from",
            std::runtime_error("no decision"));
     }
-    // A check is answered in tens of microseconds; a blocking wait with a timeout would leave the
-    // store's connection out of step when the answer comes after it.
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
 }
 
