@@ -382,7 +382,8 @@ TEST(FaultTolerance, AFailureThatRepeatsEveryRoundLeavesOneGroupOut) {
   EXPECT_NE(r.run.output.find("\"attempts\":3,\"event\":\"retry_limit\",\"left_out\":[2]"), std::string::npos)
       << r.run.output;
   EXPECT_NE(r.run.output.find("replica group 2 was left out of the job by the coordinator: step 4 failed 3 times in a "
-                              "row with the same groups (the job's max_retries is 2)"),
+                              "row with the same groups (the job's max_retries is 2; the last failure: rank 2 (replica group 2): "
+                              "fail: this rank's replica average failed"),
             std::string::npos)
       << r.run.output;
   EXPECT_NE(r.run.output.find("rank 2 (pid"), std::string::npos);
@@ -435,6 +436,92 @@ TEST(FaultTolerance, AUsersOwnLoopSurvivesALostGroupAsScheduled) {
   ASSERT_EQ(want.size(), 4u) << planned.output;
   for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(got.at(rank), want.at(rank)) << "rank " << rank << "\n" << hit.output;
   EXPECT_EQ(got.at(0), got.at(2));  // the groups hold the same replica
+}
+
+// What an outside review of the user-loop API broke (tests/live_probe.cpp, a loop of a user's own).
+std::string probe(const std::string& args) {
+  return fsdp_test::bin_dir() + "/fsdp-test-live-probe --nproc-per-node 4 " + args;
+}
+
+// Registered states were matched by position: a joiner that registered "aaa" and "beta" loaded
+// the job's "sched" bytes into "aaa", silently. Now the names are compared before a rank joins.
+TEST(FaultToleranceReview, UserStatesOfOtherNamesAreRefusedByName) {
+  const auto r = sh(probe("--states other,data --states-rank 3"), 120);
+  EXPECT_NE(r.output.find("registered the live states [data, other] but the job's ranks [data]"), std::string::npos)
+      << r.output;
+}
+
+// A unit one group did not use has no gradient there: the average's layouts differed and Gloo
+// aborted group 0 (SIGABRT) while the job exited 0. Now a missing gradient counts as zeros, as
+// DDP's: both groups train on and hold the same replica.
+TEST(FaultToleranceReview, AGradientOneGroupLacksIsAveragedAsZeros) {
+  const auto r = sh(probe("--unused-on-group 1"), 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("SIGABRT"), std::string::npos) << r.output;
+  const auto d = digests(r.output);
+  ASSERT_EQ(d.size(), 4u) << r.output;
+  EXPECT_EQ(d.at(0), d.at(2));
+  EXPECT_EQ(d.at(1), d.at(3));
+}
+
+// Extra tensors of another shape on one rank: aborts, the wrong group left out, or a hang until
+// killed (186 s). Now every rank refuses it with what to pass.
+TEST(FaultToleranceReview, ExtraTensorsOfAnotherShapeAreRefusedOnEveryRank) {
+  const auto r = sh(probe("--extra-shape-rank 3"), 120);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("the extra tensors differ across the ranks"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("SIGABRT"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60.0);
+}
+
+// A rank that starts the next step without should_commit: its peers waited 120 s for a verdict
+// and then blamed the coordinator. Now that rank is stopped at once with what it missed.
+TEST(FaultToleranceReview, AStepStartedBeforeTheLastWasCommittedIsRefused) {
+  const auto r = sh(probe("--skip-commit 1@3"), 120);
+  EXPECT_NE(r.output.find("was not committed: call should_commit"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("got no verdict"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60.0);
+}
+
+// Groups built apart (another seed each) trained on as different replicas, silently. Now the
+// first round gives every group the first group's state, as DDP's first broadcast does.
+TEST(FaultToleranceReview, GroupsBuiltApartStartAsOneReplica) {
+  const auto r = sh(probe("--unseeded"), 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto d = digests(r.output);
+  ASSERT_EQ(d.size(), 4u) << r.output;
+  EXPECT_EQ(d.at(0), d.at(2));
+  EXPECT_EQ(d.at(1), d.at(3));
+}
+
+// A loop that never calls finish(): the launcher said the ranks ended before the last step, not
+// why. Now it names finish().
+TEST(FaultToleranceReview, ALoopWithoutFinishIsToldToCallIt) {
+  const auto r = sh(probe("--no-finish --steps 4"), 120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("must call finish()"), std::string::npos) << r.output;
+}
+
+// FSDP_LIVE_MIN_REPLICAS=2 with a group lost and no restarts left: the coordinator waited 600 s
+// for a replacement the launcher would never start. Now the job is lost at once, saying why.
+TEST(FaultToleranceReview, TooFewGroupsWithNoRestartsLeftEndTheJobAtOnce) {
+  const auto r = sh("FSDP_LIVE_MIN_REPLICAS=2 " + fsdp_test::bin_dir() +
+                        "/fsdp-example-live-loop --nproc-per-node 4 --steps 12 --kill-group-at 4",
+                    120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("the launcher is out of --max-restarts"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60.0);
+}
+
+// Schedules that can never run were taken and hung: in at the step of the out, in before out,
+// every group out.
+TEST(FaultToleranceReview, SchedulesThatCannotRunAreRefused) {
+  for (const std::string s : {"out:1@8,in:1@8", "out:1@6,in:1@3", "out:0@3,out:1@5"}) {
+    const auto r = sh(probe("--schedule " + s), 60);
+    EXPECT_NE(r.exit_code, 0) << s;
+    EXPECT_NE(r.output.find("live schedule"), std::string::npos) << s << "\n" << r.output;
+    EXPECT_LT(r.seconds, 30.0) << s;
+  }
 }
 
 TEST(FaultTolerance, LiveReplicasWithNothingToKeepOrNoCoordinatorAreRefused) {

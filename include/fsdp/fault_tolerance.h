@@ -69,6 +69,10 @@ struct CoordinatorOptions {
   // are not authenticated (one host's loopback, or a network only the job's hosts reach). The
   // ranks must hold the same secret. The local launcher makes one for each job.
   std::string secret;
+  // Asked while the coordinator waits for groups to join (fewer than the job's minimum, or none):
+  // true when none can come (the local launcher is out of --max-restarts with a rank down); the
+  // job is then lost at once instead of after empty_timeout.
+  std::function<bool()> replacements_exhausted;
   // Called once the job's end is decided, before the coordinator lingers for the last ranks: with
   // 0 when every step was trained, 1 when no group with the job's state is left.
   std::function<void(int verdict)> on_end;
@@ -179,6 +183,11 @@ class LiveReplicas {
   // group's F ranks) over the round's members, in place. False when a member failed during it
   // (the step must then be discarded; `why` says what failed).
   bool average(std::vector<at::Tensor>& tensors, std::string* why);
+
+  // The element-wise maximum of `values` (int64, the same size on every rank) over the round's
+  // members, in place: what the members must agree on before a collective whose layout depends on
+  // it. False when a member failed during it, as average().
+  bool agree(at::Tensor& values, std::string* why);
 
   // Every member reports how its step went; the coordinator commits the step only when all
   // finished it. True: apply the step. False: discard it (the next round redoes it).

@@ -34,6 +34,7 @@ int Coordinator::run() {
                                 std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started));
     }
     if (!committed) {
+      last_failure_ = why;
       event({{"event", "discarded"}, {"round", round.number}, {"step", round.step}, {"why", why}}, true);
     }
     forget(round.number - 2);
@@ -176,7 +177,8 @@ std::optional<Round> Coordinator::decide_next(const Round& prev, bool committed)
     // members wait with it (they read "waiting/q" and do not time out).
     const size_t have = next.members.size() + joiners.size();
     const bool too_few = have < static_cast<size_t>(std::max(1, config_.min_replicas));
-    if ((!missing && !too_few) || Clock::now() > until) break;
+    const bool hopeless = too_few && options_.replacements_exhausted && options_.replacements_exhausted();
+    if ((!missing && !too_few) || Clock::now() > until || hopeless) break;
     if (too_few && !waiting_logged_) {
       const std::string why = have == 0 ? "no replica group is left; waiting for one to join"
                                         : std::to_string(have) + " replica group(s) left, fewer than the job's minimum of " +
@@ -205,7 +207,9 @@ std::optional<Round> Coordinator::decide_next(const Round& prev, bool committed)
   if (too_few || next.source < 0) {
     const std::string why = next.members.empty() ? "no replica group is left"
                             : too_few ? "fewer replica groups than the job's minimum (" +
-                                            std::to_string(config_.min_replicas) + ") within the empty timeout"
+                                            std::to_string(config_.min_replicas) +
+                                            "), and none joined within the empty timeout or can (the launcher is out "
+                                            "of --max-restarts)"
                                       : "no replica group with the job's state is left to copy from";
     event({{"event", "lost"}, {"step", next.step}, {"why", why + ": restart the job from its newest checkpoint"}},
           true);
@@ -249,7 +253,8 @@ std::set<int> Coordinator::over_the_retry_limit(const Round& prev) {
     tell_dropped(r, prev.generation.at(r),
                  "step " + std::to_string(prev.step) + " failed " + std::to_string(discards_in_a_row_) +
                      " times in a row with the same groups (the job's max_retries is " +
-                     std::to_string(config_.max_retries) + "): this group is left out so that the others train on");
+                     std::to_string(config_.max_retries) + "; the last failure: " + last_failure_ +
+                     "): this group is left out so that the others train on");
   }
   if (!out.empty()) {
     event({{"event", "retry_limit"}, {"step", prev.step}, {"attempts", discards_in_a_row_},

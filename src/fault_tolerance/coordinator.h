@@ -86,6 +86,7 @@ class Coordinator {
   std::chrono::milliseconds slowest_round_{0};
   // Discarded attempts in a row with the same members (a failure that repeats every round).
   int discards_in_a_row_ = 0;
+  std::string last_failure_;  // why the last discarded round was discarded
   int first_failed_ = -1;  // the member whose "done" said it failed first in the round (-1: none)
   std::vector<int> discarded_members_;
 };

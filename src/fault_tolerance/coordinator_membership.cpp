@@ -159,8 +159,12 @@ bool Coordinator::first_round(Round& round) {
   while (true) {
     joiners = complete_joiners();
     if (static_cast<int>(joiners.size()) == replicas_) break;
+    const bool enough = joiners.size() >= static_cast<size_t>(std::max(1, config_.min_replicas));
+    // A rank down for good (refused, or failed with no restarts left): its group never completes,
+    // so the groups that are complete start (a slower healthy one joins them later).
+    if (enough && options_.replacements_exhausted && options_.replacements_exhausted()) break;
     if (Clock::now() - start > options_.start_timeout) {
-      if (joiners.size() >= static_cast<size_t>(std::max(1, config_.min_replicas))) break;
+      if (enough) break;
       event({{"event", "error"},
              {"why", std::to_string(joiners.size()) + " replica group(s) had all their ranks within the start timeout, "
                      "fewer than the job's minimum of " + std::to_string(std::max(1, config_.min_replicas))}},
@@ -181,7 +185,7 @@ bool Coordinator::first_round(Round& round) {
     else if (round.source < 0) round.source = r;
   }
   round.joining.assign(needs_state_.begin(), needs_state_.end());
-  if (round.joining.empty()) round.source = -1;
+  round.synchronize = round.members.size() > 1;  // the source's state for everyone (Round::synchronize)
   apply_schedule(round, nullptr);
   admit(round, joiners);
   return true;

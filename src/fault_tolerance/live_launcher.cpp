@@ -49,17 +49,27 @@ void make_secret() {
 std::optional<int> launch_live_local(int argc, char** argv) {
   if (!asks_to_launch(argc, argv)) return std::nullopt;
   make_secret();
+  // --max-restarts, as the launcher reads it: a failed rank beyond it stays down, and a group of it
+  // can no longer come back (CoordinatorOptions::replacements_exhausted).
+  int max_restarts = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--max-restarts" && i + 1 < argc) max_restarts = std::atoi(argv[i + 1]);
+    if (a.rfind("--max-restarts=", 0) == 0) max_restarts = std::atoi(a.c_str() + 15);
+  }
+  auto failures = std::make_shared<std::atomic<int>>(0);
   auto port = std::make_shared<std::promise<int>>();
   auto verdict = std::make_shared<std::promise<int>>();
   auto decided = std::make_shared<std::atomic<bool>>(false);
   auto end_verdict = std::make_shared<std::atomic<int>>(-1);  // what on_end said, before the coordinator lingers
   std::future<int> port_f = port->get_future(), verdict_f = verdict->get_future();
-  std::thread([port, verdict, decided, end_verdict] {
+  std::thread([port, verdict, decided, end_verdict, failures, max_restarts] {
     bool listening = false;
     try {
       CoordinatorOptions o = CoordinatorOptions::from_environment();
       o.port = 0;
       o.bind_address = "127.0.0.1";  // this machine's ranks only
+      o.replacements_exhausted = [failures, max_restarts] { return failures->load() > max_restarts; };
       o.on_end = [decided, end_verdict](int v) {
         *end_verdict = v;
         *decided = true;
@@ -76,8 +86,10 @@ std::optional<int> launch_live_local(int argc, char** argv) {
   const int master_port = port_f.get();
   // A rank that fails once the coordinator decided the end (every step trained, or the job lost)
   // is not replaced, and its failure is the job's: its work after training failed.
-  auto running = [decided, &verdict_f] {
-    return !*decided && verdict_f.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+  auto running = [decided, failures, &verdict_f] {  // asked once for each rank that fails
+    const bool on = !*decided && verdict_f.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+    if (on) ++*failures;
+    return on;
   };
   const int code = maybe_launch_local(argc, argv, master_port, RestartScope::rank, running).value_or(1);
   // Every rank ended. The end's verdict is known when the coordinator decides it (on_end), before
@@ -95,8 +107,9 @@ std::optional<int> launch_live_local(int argc, char** argv) {
     std::fflush(nullptr);
     std::_Exit(result);  // the coordinator's thread still lingers: leave without destructors
   }
-  std::cerr << "fsdp: every rank ended before the job's last step and none is left to rejoin (out of "
-               "--max-restarts): the job failed\n"
+  std::cerr << "fsdp: every rank ended before the coordinator saw the job's last step (a rank that trained every "
+               "step must call finish(): LiveManager::finish, LiveReplicas::finish), and none is left to rejoin (out "
+               "of --max-restarts): the job failed\n"
             << std::flush;
   std::fflush(nullptr);
   std::_Exit(code != 0 ? code : 1);  // the coordinator's thread still runs: leave without destructors

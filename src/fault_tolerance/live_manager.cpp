@@ -57,17 +57,69 @@ std::optional<int64_t> LiveManager::start_step() {
   return round_.step;
 }
 
-bool LiveManager::should_commit(std::vector<at::Tensor> extra) {
-  std::vector<at::Tensor> tensors;
-  for (const auto& p : params_) {
-    if (p.grad().defined()) tensors.push_back(p.grad());
+namespace {
+
+// The layout of `extra` (how many, each one's dtype and shape), folded to 40 bits so that its
+// negation fits the same int64 maximum.
+int64_t layout_of(const std::vector<at::Tensor>& extra) {
+  uint64_t h = 1469598103934665603ull;
+  auto add = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  add(extra.size());
+  for (const auto& t : extra) {
+    add(static_cast<uint64_t>(t.scalar_type()));
+    add(static_cast<uint64_t>(t.dim()));
+    for (int64_t d : t.sizes()) add(static_cast<uint64_t>(d));
   }
+  return static_cast<int64_t>(h >> 24);
+}
+
+}  // namespace
+
+bool LiveManager::should_commit(std::vector<at::Tensor> extra) {
   for (auto& t : extra) {
     if (!t.defined()) throw std::invalid_argument("fsdp: LiveManager::should_commit: an extra tensor is undefined");
-    tensors.push_back(t.detach());
   }
+  // First what every member must agree on, in one small collective: the same parameters and the
+  // same extras (else the average's layouts would differ, which Gloo answers with an abort), and
+  // whether some rank lacks a gradient (a unit one group did not use this step).
+  bool all_defined = true;
+  for (const auto& p : params_) all_defined = all_defined && p.grad().defined();
+  const int64_t n = static_cast<int64_t>(params_.size()), layout = layout_of(extra);
+  at::Tensor head = at::tensor({n, -n, layout, -layout, all_defined ? int64_t{-1} : int64_t{0}}, at::kLong);
   std::string why;
-  const bool ok = live_->average(tensors, &why);
+  bool ok = live_->agree(head, &why);
+  std::vector<bool> averaged(params_.size(), true);
+  if (ok) {
+    if (head[0].item<int64_t>() != -head[1].item<int64_t>()) {
+      throw std::invalid_argument("fsdp: LiveManager::should_commit: the ranks track different numbers of parameters "
+                                  "(track(model, optimizer)): every group must wrap the same model");
+    }
+    if (head[2].item<int64_t>() != -head[3].item<int64_t>()) {
+      throw std::invalid_argument("fsdp: LiveManager::should_commit: the extra tensors differ across the ranks (their "
+                                  "number, dtypes or shapes): pass the same list on every rank (a loss of shape [1], "
+                                  "say)");
+    }
+    if (head[4].item<int64_t>() != -1) {
+      // A gradient one rank lacks counts as zeros in the average, as DDP counts an unused
+      // parameter's; a parameter no rank has a gradient for keeps none.
+      at::Tensor has = at::empty({n}, at::kLong);
+      for (int64_t i = 0; i < n; ++i) has[i] = params_[static_cast<size_t>(i)].grad().defined() ? 1 : 0;
+      ok = live_->agree(has, &why);
+      for (int64_t i = 0; ok && i < n; ++i) {
+        at::Tensor p = params_[static_cast<size_t>(i)];
+        averaged[static_cast<size_t>(i)] = has[i].item<int64_t>() != 0;
+        if (averaged[static_cast<size_t>(i)] && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      }
+    }
+  }
+  if (ok) {
+    std::vector<at::Tensor> tensors;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (averaged[i]) tensors.push_back(params_[i].grad());
+    }
+    for (auto& t : extra) tensors.push_back(t.detach());
+    ok = live_->average(tensors, &why);
+  }
   if (live_->commit(ok, why)) {
     step_ = round_.step + 1;
     failure_.clear();

@@ -57,6 +57,8 @@ struct LiveReplicas::Impl {
     std::function<void(const std::string&)> load;
   };
   std::map<std::string, UserState> user_states;
+  bool user_states_declared = false;  // compared with the job's names before the first round
+  bool in_round = false;              // a round was returned and its step not yet committed or discarded
 
   std::string key(const std::string& k) const { return detail::kLivePrefix + k; }
   std::string me() const { return std::to_string(env.rank); }
@@ -88,6 +90,9 @@ struct LiveReplicas::Impl {
   int64_t sync_state(int64_t held_step, const std::vector<at::Tensor>& params, torch::optim::Optimizer* optimizer,
                      int64_t* bytes);
   void sync_user_states(int root, bool receiving, int64_t* bytes);
+  // The names of the registered states must be the job's (the first rank's): a joiner that
+  // registered others is refused by name before it asks to join, as declare_identity refuses.
+  void declare_user_states();
 };
 
 namespace detail {

@@ -73,12 +73,13 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
   impl->R = env.world_size / F;
   impl->replica = env.rank / F;
   impl->shard_rank = env.rank % F;
-  detail::parse_schedule(options.schedule, impl->R);  // refused here, with the item, before it reaches anyone
-  impl->store = detail::coordinator_client(env, mesh_options.init_timeout);
   if (options.min_replicas < 1 || options.min_replicas > impl->R) {
     throw std::invalid_argument("fsdp: live replicas' min_replicas " + std::to_string(options.min_replicas) +
                                 " is not between 1 and the job's " + std::to_string(impl->R) + " replica groups");
   }
+  // Refused here, with the item, before it reaches anyone.
+  detail::check_schedule(detail::parse_schedule(options.schedule, impl->R), impl->R, options.min_replicas);
+  impl->store = detail::coordinator_client(env, mesh_options.init_timeout);
   detail::LiveConfig cfg{env.world_size, F, options.total_steps, options.min_replicas, options.max_retries,
                          options.schedule};
   const std::string mine = cfg.encode();
@@ -99,7 +100,8 @@ std::shared_ptr<LiveReplicas> LiveReplicas::connect(const LaunchEnv& env, LiveOp
   }
   if (theirs != mine) {
     throw std::invalid_argument("fsdp: this rank (" + impl->me() + ") was started as '" + mine +
-                                "' (world size, shard size, steps, schedule) but the job's first rank as '" + theirs +
+                                "' (protocol, world size, shard size, steps, min replicas, max retries, schedule) but the job's first "
+                                "rank as '" + theirs +
                                 "': start every rank with the same flags");
   }
   // A second live holder of a rank is refused: only a replacement of a dead one joins (the newest
@@ -202,6 +204,10 @@ void LiveReplicas::declare_identity(const std::map<std::string, std::string>& it
 
 void LiveReplicas::register_state(const std::string& name, std::function<std::string()> save,
                                   std::function<void(const std::string&)> load) {
+  if (impl_->user_states_declared) {
+    throw std::logic_error("fsdp: register_state('" + name + "') after the first round: register every state before "
+                           "the first start_step (next_round), the same on every rank");
+  }
   if (!save || !load) throw std::invalid_argument("fsdp: register_state('" + name + "') needs a save and a load function");
   if (!impl_->user_states.emplace(name, Impl::UserState{std::move(save), std::move(load)}).second) {
     throw std::invalid_argument("fsdp: a live state named '" + name + "' is registered already");
@@ -211,6 +217,15 @@ void LiveReplicas::register_state(const std::string& name, std::function<std::st
 LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tensor>& params,
                                    torch::optim::Optimizer* optimizer) {
   Impl& s = *impl_;
+  if (s.in_round) {
+    // Its peers wait for this rank's "done" of that step: it would wait for a round that never
+    // comes, and they for a verdict.
+    throw std::logic_error("fsdp: " + s.who() + " asked for the next round (LiveManager::start_step) while round " +
+                           std::to_string(s.round.number) + " (step " + std::to_string(s.round.step) +
+                           ") was not committed: call should_commit (LiveReplicas::average and commit) after every "
+                           "step's backward, on every rank, and start the next step only after it");
+  }
+  if (!s.user_states_declared) s.declare_user_states();
   const auto t0 = Clock::now();
   LiveRound out;
   while (true) {
@@ -266,7 +281,7 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
     try {
       if (s.round.epoch != s.epoch || s.poisoned || !s.group) s.build_group();
       out.wait_ms = ms_since(t0);
-      if (!s.round.joining.empty()) {
+      if (!s.round.joining.empty() || s.round.synchronize) {
         const auto t1 = Clock::now();
         const int64_t step = s.sync_state(held_step, params, optimizer, &out.transfer_bytes);
         out.transfer_ms = ms_since(t1);
@@ -286,6 +301,7 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
     out.joined = s.round.joining;
     out.source = s.round.source;
     out.i_joined = std::count(s.round.joining.begin(), s.round.joining.end(), s.replica) > 0;
+    s.in_round = s.round.step < s.options.total_steps;
     return out;
   }
 }
@@ -307,11 +323,26 @@ bool LiveReplicas::average(std::vector<at::Tensor>& tensors, std::string* why) {
   }
 }
 
+bool LiveReplicas::agree(at::Tensor& values, std::string* why) {
+  Impl& s = *impl_;
+  try {
+    std::vector<at::Tensor> one{values};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    s.wait_or_abandon(s.group->allreduce(one, o));
+    return true;
+  } catch (const std::exception& e) {
+    if (why) *why = first_line(e.what());
+    return false;
+  }
+}
+
 bool LiveReplicas::commit(bool ok, const std::string& why) {
   Impl& s = *impl_;
   const std::string q = std::to_string(s.round.number);
   s.set("done/" + q + "/" + s.me(), ok ? "ok" : "fail: " + why);
   const std::string verdict = s.wait_for("commit/" + q, "verdict");
+  s.in_round = false;
   if (!ok && verdict == "1") {
     // The coordinator commits only when every member said "ok", and this rank said it failed: the
     // verdict is forged or damaged. Applying it would step from gradients this rank did not average.

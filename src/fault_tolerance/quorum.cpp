@@ -1,6 +1,8 @@
 #include "fault_tolerance/quorum.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -12,7 +14,7 @@ nlohmann::json Round::to_json() const {
   return {{"number", number}, {"step", step},       {"epoch", epoch},
           {"members", members}, {"generation", gens}, {"joining", joining},
           {"source", source},   {"left", left},       {"sitting_out", sitting_out},
-          {"end", end}};
+          {"end", end},         {"synchronize", synchronize}};
 }
 
 Round Round::from_json(const nlohmann::json& j) {
@@ -27,6 +29,7 @@ Round Round::from_json(const nlohmann::json& j) {
   r.left = j.at("left").get<std::vector<int>>();
   r.sitting_out = j.at("sitting_out").get<std::vector<int>>();
   r.end = j.at("end").get<bool>();
+  r.synchronize = j.at("synchronize").get<bool>();
   return r;
 }
 
@@ -67,7 +70,39 @@ std::vector<ScheduledChange> parse_schedule(const std::string& text, int replica
     }
     out.push_back(c);
   }
+  check_schedule(out, replicas, 1);
   return out;
+}
+
+void check_schedule(const std::vector<ScheduledChange>& changes, int replicas, int min_replicas) {
+  // Each group's changes alternate out, in, out ... at rising steps (in at the step of its out
+  // would be let in to a round it never asked for: the coordinator would wait for it forever).
+  std::map<int, const ScheduledChange*> last;
+  for (const auto& c : changes) {
+    auto it = last.find(c.replica);
+    const bool out_now = it == last.end() || !it->second->out;
+    if (c.out != out_now || (it != last.end() && c.step <= it->second->step)) {
+      throw std::invalid_argument(
+          "fsdp: the live schedule item '" + std::string(c.out ? "out" : "in") + ":" + std::to_string(c.replica) + "@" +
+          std::to_string(c.step) + "' does not follow the group's earlier items: each group's items go out, in, out "
+          "... at steps that rise (in at a later step than its out)");
+    }
+    last[c.replica] = &c;
+  }
+  // At every step, at least min_replicas groups are in.
+  std::map<int64_t, int> change_at;
+  for (const auto& c : changes) change_at[c.step] += c.out ? -1 : 1;
+  int in = replicas;
+  for (const auto& [step, delta] : change_at) {
+    in += delta;
+    if (in < std::max(1, min_replicas)) {
+      throw std::invalid_argument("fsdp: the live schedule leaves " + std::to_string(in) + " replica group(s) in from step " +
+                                  std::to_string(step) + ", fewer than " +
+                                  (min_replicas > 1 ? "the job's minimum of " + std::to_string(min_replicas)
+                                                    : std::string("one")) +
+                                  ": nobody would train; let a group back in first");
+    }
+  }
 }
 
 std::string LiveConfig::encode() const {

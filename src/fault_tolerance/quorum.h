@@ -54,6 +54,10 @@ struct Round {
   std::vector<int> left;           // members of the previous round that are not in this one
   std::vector<int> sitting_out;    // of `left`: sent out by the schedule (they wait to come back)
   bool end = false;                // the job ended: no more rounds
+  // The job's first round: every member takes the source's state (its parameters, optimizer state
+  // and registered states), so that groups built apart start as one replica, as DDP's first
+  // broadcast and torchft's init_sync make them.
+  bool synchronize = false;
 
   nlohmann::json to_json() const;
   static Round from_json(const nlohmann::json& j);
@@ -68,6 +72,9 @@ struct ScheduledChange {
 };
 // "out:1@5,in:1@8" -> the changes; throws std::invalid_argument saying what is wrong.
 std::vector<ScheduledChange> parse_schedule(const std::string& text, int replicas);
+// Refuses a schedule that cannot run: a group's items not alternating out, in at rising steps, or
+// fewer than min_replicas groups in at some step.
+void check_schedule(const std::vector<ScheduledChange>& changes, int replicas, int min_replicas);
 
 // "W F steps min_replicas max_retries schedule" and back.
 struct LiveConfig {

@@ -8,6 +8,7 @@
 
 #include "checkpoint/optimizer_state.h"
 #include "fault_tolerance/live_rank.h"
+#include "fault_tolerance/value_signing.h"
 
 namespace fsdp {
 namespace detail {
@@ -84,7 +85,8 @@ int64_t LiveReplicas::Impl::sync_state(int64_t held_step, const std::vector<at::
   detail::unpack(packed, tensors);
   *bytes = 0;
   for (const auto& b : packed.buffers) *bytes += b.numel() * static_cast<int64_t>(b.element_size());
-  const bool receiving = std::count(round.joining.begin(), round.joining.end(), replica) > 0;
+  const bool receiving = round.source != replica && (round.synchronize || std::count(round.joining.begin(),
+                                                                                     round.joining.end(), replica) > 0);
   sync_user_states(root, receiving, bytes);
   return h[0];
 }
@@ -125,6 +127,26 @@ void LiveReplicas::Impl::sync_user_states(int root, bool receiving, int64_t* byt
     state.load(std::string(reinterpret_cast<const char*>(buffer.data_ptr<uint8_t>()) + off, static_cast<size_t>(n)));
     off += n;
   }
+}
+
+void LiveReplicas::Impl::declare_user_states() {
+  std::string mine;
+  for (const auto& [name, state] : user_states) mine += (mine.empty() ? "" : ", ") + name;
+  std::string stored;
+  try {
+    stored = detail::to_string(
+        store->compareSet(key("user_states"), {}, detail::to_bytes(detail::sign_value(options.secret, "user_states", mine))));
+  } catch (const std::exception& e) {
+    lost("lost", e);
+  }
+  const std::string theirs = detail::verify_value(options.secret, "user_states", stored).value_or(stored);
+  if (theirs != mine) {
+    throw std::invalid_argument("fsdp: " + who() + " registered the live states [" + mine + "] but the job's ranks [" +
+                                theirs + "] (LiveReplicas::register_state, LiveManager::register_state): a joiner "
+                                "would load another state's bytes. It does not join, and the groups in the job train "
+                                "on; register the same names on every rank, before the first step");
+  }
+  user_states_declared = true;
 }
 
 }  // namespace fsdp
