@@ -56,7 +56,11 @@ class LiveManager {
   // tensor parallelism, or hpZ (reshard_after_forward_to). Call once, before the first start_step.
   void track(FullyShardedDataParallelBase& model, torch::optim::Optimizer& optimizer);
   // The rest of what a joiner needs to train on as the others do (LiveReplicas::register_state):
-  // a data loader's position, a learning-rate scheduler, a gradient scaler's scale, an RNG.
+  // a data loader's position, a learning-rate scheduler, a gradient scaler's scale, an RNG. The
+  // names must be the same on every rank (a rank that registered others is refused by name before
+  // it joins), registered before the first start_step. The job's first round gives every group
+  // the first group's parameters, optimizer state and registered states, so that groups built
+  // apart start as one replica (DDP's first broadcast, torchft's init_sync).
   void register_state(const std::string& name, std::function<std::string()> save,
                       std::function<void(const std::string&)> load) {
     live_->register_state(name, std::move(save), std::move(load));
@@ -74,10 +78,14 @@ class LiveManager {
   std::optional<int64_t> start_step();
   const LiveRound& round() const { return round_; }
 
-  // After backward: averages the tracked parameters' gradients and `extra` (each the same shape on
-  // every rank: the loss, a metric) over the round's groups, in place, and asks the coordinator
-  // to commit. True: every group finished the step; apply it (clip, then optimizer.step()).
-  // False: a group failed during it; do not apply it (the next start_step redoes the step).
+  // After backward: averages the tracked parameters' gradients and `extra` (the loss, a metric)
+  // over the round's groups, in place, and asks the coordinator to commit. True: every group
+  // finished the step; apply it (clip, then optimizer.step()). False: a group failed during it; do
+  // not apply it (the next start_step redoes the step). Call it once after every step's backward,
+  // on every rank: a start_step without it is refused (std::logic_error). A gradient some rank
+  // lacks (a unit its group did not use) counts as zeros there, as in DDP; one no rank has stays
+  // undefined. `extra` must be the same number of tensors, dtypes and shapes on every rank: the
+  // ranks agree on that first, and every rank refuses a difference (std::invalid_argument).
   bool should_commit(std::vector<at::Tensor> extra = {});
   const std::string& last_failure() const { return failure_; }  // why the last should_commit was false
   int64_t discarded_steps() const { return discarded_; }
