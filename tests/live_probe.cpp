@@ -8,6 +8,8 @@
 //   --skip-commit R@S     rank R starts step S+1 without calling should_commit for step S
 //   --unseeded            each rank builds its model from a seed of its own
 //   --no-finish           never calls finish()
+//   --int-extra           passes an integer extra tensor to should_commit
+//   --double-commit       calls should_commit twice in step 2
 // Prints "digest rank R: X" at the end of every rank that trained to the end.
 #include <cstdio>
 #include <cstdlib>
@@ -39,7 +41,7 @@ TORCH_MODULE(Probe);
 int main(int argc, char** argv) {
   if (auto code = fsdp::launch_live_local(argc, argv)) return *code;
   int64_t steps = 12, unused_on = -1, extra_rank = -1, skip_rank = -1, skip_step = -1, states_rank = -1;
-  bool unseeded = false, finish = true;
+  bool unseeded = false, finish = true, int_extra = false, double_commit = false;
   std::string schedule, states = "data";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -54,6 +56,8 @@ int main(int argc, char** argv) {
                                           reinterpret_cast<long long*>(&skip_step));
     if (a == "--unseeded") unseeded = true;
     if (a == "--no-finish") finish = false;
+    if (a == "--int-extra") int_extra = true;
+    if (a == "--double-commit") double_commit = true;
   }
   try {
     const fsdp::LaunchEnv env = fsdp::LaunchEnv::from_environment();
@@ -89,8 +93,10 @@ int main(int argc, char** argv) {
       auto loss = sharded.forward(mine, live->replica() == unused_on).pow(2).mean();
       loss.backward();
       if (env.rank == skip_rank && *step == skip_step) continue;  // the slip: no should_commit
-      const auto extra = env.rank == extra_rank ? loss.detach().reshape({1}).repeat({2}) : loss.detach().reshape({1});
+      auto extra = env.rank == extra_rank ? loss.detach().reshape({1}).repeat({2}) : loss.detach().reshape({1});
+      if (int_extra) extra = extra.to(torch::kLong);
       if (!live->should_commit({extra})) continue;
+      if (double_commit && *step == 2) (void)live->should_commit({extra});
       optimizer.step();
       ++position;
     }

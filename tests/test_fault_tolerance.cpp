@@ -513,6 +513,37 @@ TEST(FaultToleranceReview, TooFewGroupsWithNoRestartsLeftEndTheJobAtOnce) {
   EXPECT_LT(r.seconds, 60.0);
 }
 
+// Second review: an integer extra made every attempt fail at the average ("result type Float
+// can't be cast to Long"): a healthy group was left out and the last retried step 0 forever. A
+// second should_commit in a step was taken without a word. Both are refused now.
+TEST(FaultToleranceReview, IntegerExtrasAndASecondCommitAreRefused) {
+  const auto ints = sh(probe("--int-extra --steps 4"), 120);
+  EXPECT_NE(ints.exit_code, 0);
+  EXPECT_NE(ints.output.find("an extra tensor is not floating-point (Long)"), std::string::npos) << ints.output;
+  EXPECT_LT(ints.seconds, 60.0);
+  const auto twice = sh(probe("--double-commit --steps 4"), 120);
+  EXPECT_NE(twice.output.find("should_commit without a step"), std::string::npos) << twice.output;
+  EXPECT_LT(twice.seconds, 60.0);
+}
+
+// Second review: while the coordinator waits for a member slow to be ready (group 0's steps take
+// 4 s), the survivors waited for the next round only FSDP_LIVE_TIMEOUT_S (3 s here), quit with
+// "the coordinator is gone", and the job was lost. Now the coordinator says it is holding the
+// round back, and the job trains on with the bits of out:2@3.
+TEST(FaultToleranceReview, ASlowMemberDoesNotTimeTheOthersOut) {
+  const std::string job = kThreeGroups.substr(0, kThreeGroups.find("--steps")) + "--steps 5 --state-hash ";
+  const Result r = train("FSDP_LIVE_TIMEOUT_S=3 FSDP_FAULT_SLOW_MS=4000 FSDP_FAULT_SLOW_RANKS=0 "
+                         "FSDP_FAULT_KILL_AT_STEP=3 FSDP_FAULT_KILL_RANKS=2",
+                         job, 180);
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  EXPECT_EQ(r.run.output.find("got no round"), std::string::npos) << r.run.output;
+  const Result planned = train("", job + "--live-schedule out:2@3", 180);
+  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
+  const auto got = hashes(r.rows), want = hashes(planned.rows);
+  ASSERT_EQ(got.size(), 2u) << r.run.output;
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(got.at(rank)["hash"], want.at(rank)["hash"]) << "rank " << rank;
+}
+
 // Schedules that can never run were taken and hung: in at the step of the out, in before out,
 // every group out.
 TEST(FaultToleranceReview, SchedulesThatCannotRunAreRefused) {

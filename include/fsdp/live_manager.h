@@ -72,20 +72,25 @@ class LiveManager {
   int64_t step() const { return step_; }
 
   // Waits for the coordinator's round and returns the step to run (a joining group receives the
-  // job's state in it first). nullopt: every step was trained (or this group got in after the
-  // last one): call finish(). Throws when this rank's group was left out of the job or the
+  // job's state in it first). nullopt: the job trained every step: call finish(). A group that
+  // got in only after the last step holds no trained state then (holds_final_state() is false):
+  // do not save or evaluate it. Throws when this rank's group was left out of the job or the
   // coordinator is gone, with what to do.
   std::optional<int64_t> start_step();
   const LiveRound& round() const { return round_; }
+  // Whether this rank's state is the job's after its last step (false for a group that got in
+  // only after the last step, and before the end).
+  bool holds_final_state() const { return step_ >= live_->total_steps(); }
 
   // After backward: averages the tracked parameters' gradients and `extra` (the loss, a metric)
   // over the round's groups, in place, and asks the coordinator to commit. True: every group
   // finished the step; apply it (clip, then optimizer.step()). False: a group failed during it; do
   // not apply it (the next start_step redoes the step). Call it once after every step's backward,
-  // on every rank: a start_step without it is refused (std::logic_error). A gradient some rank
-  // lacks (a unit its group did not use) counts as zeros there, as in DDP; one no rank has stays
-  // undefined. `extra` must be the same number of tensors, dtypes and shapes on every rank: the
-  // ranks agree on that first, and every rank refuses a difference (std::invalid_argument).
+  // on every rank: a start_step without it, or a second call, is refused (std::logic_error). A
+  // gradient some rank lacks (a unit its group did not use) counts as zeros there, as in DDP; one
+  // no rank has stays undefined. `extra` must be floating-point tensors, the same number, dtypes
+  // and shapes on every rank: the ranks agree on that first, and every rank refuses a difference
+  // (std::invalid_argument).
   bool should_commit(std::vector<at::Tensor> extra = {});
   const std::string& last_failure() const { return failure_; }  // why the last should_commit was false
   int64_t discarded_steps() const { return discarded_; }
@@ -102,6 +107,7 @@ class LiveManager {
   LiveRound round_;
   std::string failure_;
   int64_t discarded_ = 0;
+  bool in_step_ = false;  // start_step returned a step whose should_commit has not run
 };
 
 // One machine's live job for a program of your own, as fsdp-train --live-replicas

@@ -117,6 +117,7 @@ std::optional<Round> Coordinator::decide_next(const Round& prev, bool committed)
   // ready_timeout, not dead_after.
   const std::string ready = "ready/" + std::to_string(next.number) + "/";
   const auto deadline = Clock::now() + ready_timeout();
+  bool holding = false;  // "waiting/<next>" written
   std::set<int> gone;
   while (true) {
     poll_heartbeats();
@@ -132,6 +133,12 @@ std::optional<Round> Coordinator::decide_next(const Round& prev, bool committed)
       }
     }
     if (!waiting || Clock::now() > deadline) break;
+    // A member slow to be ready may keep the others waiting longer than their FSDP_LIVE_TIMEOUT_S:
+    // they read that the next round is held back, not that the coordinator is gone.
+    if (!holding && Clock::now() > deadline - ready_timeout() + std::chrono::seconds(1)) {
+      set("waiting/" + std::to_string(next.number), "a member is not yet ready for the redo");
+      holding = true;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   if (!committed) {  // alive but not ready by the deadline: stuck; dropped like a gone group
@@ -189,7 +196,7 @@ std::optional<Round> Coordinator::decide_next(const Round& prev, bool committed)
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (waiting_logged_) erase("waiting/" + std::to_string(next.number));
+  if (waiting_logged_ || holding) erase("waiting/" + std::to_string(next.number));
   waiting_logged_ = false;
   for (const auto& [r, gs] : joiners) {
     next.members.push_back(r);

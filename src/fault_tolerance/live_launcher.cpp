@@ -98,12 +98,13 @@ std::optional<int> launch_live_local(int argc, char** argv) {
   // replacement nobody will start.
   const auto linger = CoordinatorOptions::from_environment().dead_after + std::chrono::seconds(3);
   if (*end_verdict >= 0 || verdict_f.wait_for(linger) == std::future_status::ready) {
+    const bool returned = verdict_f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
     const int verdict_code = *end_verdict >= 0 ? end_verdict->load() : verdict_f.get();
     // 0: every step was trained by the groups in the job, whatever happened to the ones that left
     // (`code` holds only failures after that: a rank's own work once training ended). Otherwise
     // the job was lost: no group with its state is left (restart it from its newest checkpoint).
     const int result = verdict_code == 0 ? code : (code != 0 ? code : verdict_code);
-    if (verdict_f.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return result;
+    if (returned) return result;  // (a future read once holds no state: ask before get())
     std::fflush(nullptr);
     std::_Exit(result);  // the coordinator's thread still lingers: leave without destructors
   }

@@ -53,6 +53,7 @@ std::optional<int64_t> LiveManager::start_step() {
   }
   round_ = live_->next_round(step_, params_, optimizer_);
   if (round_.step >= live_->total_steps()) return std::nullopt;
+  in_step_ = true;
   step_ = round_.step;  // a joining group now holds the job's step
   return round_.step;
 }
@@ -76,9 +77,19 @@ int64_t layout_of(const std::vector<at::Tensor>& extra) {
 }  // namespace
 
 bool LiveManager::should_commit(std::vector<at::Tensor> extra) {
-  for (auto& t : extra) {
-    if (!t.defined()) throw std::invalid_argument("fsdp: LiveManager::should_commit: an extra tensor is undefined");
+  if (!in_step_) {
+    throw std::logic_error("fsdp: LiveManager::should_commit without a step: call it once after each start_step's "
+                           "backward");
   }
+  for (auto& t : extra) {
+    if (!t.defined() || !at::isFloatingType(t.scalar_type())) {
+      const std::string what =
+          t.defined() ? "not floating-point (" + std::string(c10::toString(t.scalar_type())) + ")" : "undefined";
+      throw std::invalid_argument("fsdp: LiveManager::should_commit: an extra tensor is " + what +
+                                  ": the groups average it; pass a floating-point tensor (the loss, a metric)");
+    }
+  }
+  in_step_ = false;
   // First what every member must agree on, in one small collective: the same parameters and the
   // same extras (else the average's layouts would differ, which Gloo answers with an abort), and
   // whether some rank lacks a gradient (a unit one group did not use this step).
