@@ -352,6 +352,16 @@ TEST(FaultTolerance, ValuesAreSignedWithTheJobsSecret) {
 const std::string kThreeGroups = " --model tiny --global-batch-size 12 --block-size 32 --nproc-per-node 3 "
                                  "--strategy hybrid_shard --shard-size 1 --live-replicas --steps 8 --state-hash ";
 
+// Ranks 0 and 1 of the three-group job `r` (of `job`) end with the bits of `job` run with
+// `--live-schedule schedule` (group 2 out, for good, where the fault took it out).
+void expect_survivors_as_scheduled(const Result& r, const std::string& job, const std::string& schedule) {
+  const Result planned = train("", job + "--live-schedule " + schedule, 180);
+  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
+  const auto got = hashes(r.rows), want = hashes(planned.rows);
+  ASSERT_GE(got.size(), 2u) << r.run.output;
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(got.at(rank)["hash"], want.at(rank)["hash"]) << "rank " << rank;
+}
+
 // Issue 37, item 7: group 0's steps take 1.5 s longer (FSDP_FAULT_SLOW_MS: a slow group, or a slow
 // checkpoint save) when group 2 dies at step 5, and the ready timeout is 1 s. With the fixed
 // timeout, the coordinator dropped the healthy slow group as stuck too (seen with the derivation
@@ -363,11 +373,7 @@ TEST(FaultTolerance, ASlowGroupIsNotTakenForAStuckOne) {
                          kThreeGroups, 180);
   ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
   EXPECT_EQ(r.run.output.find("\"event\":\"dropped\",\"replica\":0"), std::string::npos) << r.run.output;
-  const Result planned = train("", kThreeGroups + "--live-schedule out:2@5", 180);
-  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
-  const auto got = hashes(r.rows), want = hashes(planned.rows);
-  ASSERT_EQ(got.size(), 2u) << r.run.output;  // rank 2 died before its hash
-  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(got.at(rank)["hash"], want.at(rank)["hash"]) << "rank " << rank;
+  expect_survivors_as_scheduled(r, kThreeGroups, "out:2@5");
 }
 
 // Issue 37, items 9 and 10: rank 2's replica average fails at every attempt from step 4 on (a
@@ -389,11 +395,7 @@ TEST(FaultTolerance, AFailureThatRepeatsEveryRoundLeavesOneGroupOut) {
   EXPECT_NE(r.run.output.find("rank 2 (pid"), std::string::npos);
   EXPECT_NE(r.run.output.find("exited with code 3"), std::string::npos) << r.run.output;
   EXPECT_LT(r.run.seconds, 60.0);
-  const Result planned = train("", kThreeGroups + "--live-schedule out:2@4", 180);
-  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
-  const auto got = hashes(r.rows), want = hashes(planned.rows);
-  ASSERT_GE(got.size(), 2u) << r.run.output;
-  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(got.at(rank)["hash"], want.at(rank)["hash"]) << "rank " << rank;
+  expect_survivors_as_scheduled(r, kThreeGroups, "out:2@4");
 }
 
 // The first number after `marker` in `text`, or -1.
@@ -537,11 +539,7 @@ TEST(FaultToleranceReview, ASlowMemberDoesNotTimeTheOthersOut) {
                          job, 180);
   ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
   EXPECT_EQ(r.run.output.find("got no round"), std::string::npos) << r.run.output;
-  const Result planned = train("", job + "--live-schedule out:2@3", 180);
-  ASSERT_EQ(planned.run.exit_code, 0) << planned.run.output;
-  const auto got = hashes(r.rows), want = hashes(planned.rows);
-  ASSERT_EQ(got.size(), 2u) << r.run.output;
-  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(got.at(rank)["hash"], want.at(rank)["hash"]) << "rank " << rank;
+  expect_survivors_as_scheduled(r, job, "out:2@3");
 }
 
 // Schedules that can never run were taken and hung: in at the step of the out, in before out,
