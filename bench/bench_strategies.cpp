@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <sstream>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -105,6 +106,10 @@ int main(int argc, char** argv) {
   std::map<size_t, double> comm_mb;
   std::map<size_t, std::vector<double>> exposed_ms;
   std::map<size_t, std::pair<double, double>> ops;  // config -> operator calls into fsdp per step (in passes, at rest)
+  // config -> per phase (forward, backward, clip, optimizer, rest, exposed in forward, exposed in
+  // backward): the post-warm-up values of every round
+  const std::vector<std::string> kPhaseCols = {"forward", "backward", "clip", "optimizer", "rest", "exposed fwd", "exposed bwd"};
+  std::map<size_t, std::vector<std::vector<double>>> phase_ms;
   for (int round = 0; round < repeats; ++round) {
     for (size_t i = 0; i < configs.size(); ++i) {
       const Config& c = configs[i];
@@ -131,6 +136,19 @@ int main(int argc, char** argv) {
         step_ms[i].push_back(j["step_ms"].get<double>());
         this_round.push_back(j["step_ms"].get<double>());
         if (j.contains("exposed_comm_ms")) exposed_ms[i].push_back(j["exposed_comm_ms"].get<double>());
+        if (j.contains("phases")) {
+          const auto& ph = j["phases"];
+          auto exposed = [&](const char* p) {
+            return ph[p]["exposed_all_gather_ms"].get<double>() + ph[p]["exposed_reduce_ms"].get<double>() +
+                   ph[p]["rate_limiter_wait_ms"].get<double>();
+          };
+          const std::vector<double> v = {ph["forward"]["ms"].get<double>(), ph["backward"]["ms"].get<double>(),
+                                         ph["clip"]["ms"].get<double>(),    ph["optimizer"]["ms"].get<double>(),
+                                         ph["rest_ms"].get<double>(),       exposed("forward"), exposed("backward")};
+          auto& cols = phase_ms[i];
+          cols.resize(v.size());
+          for (size_t k = 0; k < v.size(); ++k) cols[k].push_back(v[k]);
+        }
         if (j.contains("operator_calls_into_fsdp")) {
           ops[i] = {j["operator_calls_into_fsdp"]["in_passes"].get<double>(), j["operator_calls_into_fsdp"]["at_rest"].get<double>()};
         }
@@ -182,6 +200,25 @@ int main(int argc, char** argv) {
   }
   std::cout << "suite " << suite << ", model " << model << ", global batch " << batch << ", " << repeats << " rounds x "
             << (steps - warmup) << " timed steps each (medians)\n" << table.str();
+  // Where each configuration's step goes (the JSONL's phases, medians over every timed step).
+  std::ostringstream phases;
+  phases << "\n| configuration | W |";
+  for (const auto& c : kPhaseCols) phases << " " << c << " (ms) |";
+  phases << "\n|---|---|";
+  for (size_t k = 0; k < kPhaseCols.size(); ++k) phases << "---|";
+  phases << "\n";
+  for (size_t i = 0; i < configs.size(); ++i) {
+    if (!phase_ms.count(i)) continue;
+    phases << "| " << configs[i].label << " | " << configs[i].world << " |";
+    for (const auto& col : phase_ms[i]) {
+      char cell[32];
+      std::snprintf(cell, sizeof(cell), " %.1f |", median(col));
+      phases << cell;
+    }
+    phases << "\n";
+  }
+  std::cout << phases.str();
+  table << phases.str();
   if (suite == "builds") {
     // Per round: this build's median over the baseline's, measured back to back.
     std::vector<double> ratios;

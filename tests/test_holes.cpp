@@ -83,6 +83,8 @@ TEST(Holes, ClipAndStepAfterNoSyncAreRefused) {
       const std::string what = strategy + " " + j.dump();
       EXPECT_NE(j.value("clip_during_no_sync", "").find("no_sync"), std::string::npos) << what;
       EXPECT_NE(j.value("step_during_no_sync", "").find("no_sync"), std::string::npos) << what;
+      EXPECT_NE(j.value("fused_adamw_during_no_sync", "").find("no_sync"), std::string::npos) << what;
+      EXPECT_NE(j.value("fused_sgd_during_no_sync", "").find("no_sync"), std::string::npos) << what;
       EXPECT_EQ(j["error"], "") << what;
       EXPECT_LE(j.value("max_param_diff", 1.0), 2e-5) << what;
     }

@@ -32,6 +32,10 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "by n_head / N query heads (default: as many as query heads); under --tp, a TP size that divides N splits "
                  "them, one that N divides replicates them")->check(CLI::NonNegativeNumber);
   app.add_option("--lr", c.lr, "AdamW learning rate");
+  app.add_option("--optimizer", c.optimizer, "adamw: fsdp::FusedAdamW, one vectorized pass over each shard (moments bit "
+                 "for bit libtorch's; parameters within a rounding per step: docs/performance.md); adamw-libtorch: "
+                 "torch::optim::AdamW, operator by operator. Checkpoints of either load into the other.")
+      ->check(CLI::IsMember({"adamw", "adamw-libtorch"}));
   app.add_option("--clip", c.clip, "clip gradients to this global norm (0: off)");
   app.add_option("--log-every", c.log_every, "print every N steps")->check(CLI::PositiveNumber);
   app.add_option("--grad-accum", c.grad_accum,

@@ -27,6 +27,7 @@ struct Config {
   int64_t vocab_size = 0;  // GPT: the embedding's rows (0: the preset's, or the corpus's if more)   // GPT: grouped-query attention's key/value heads (0: the preset's, n_head)
   double lr = 2e-3;
   double weight_decay = 0.1;
+  std::string optimizer = "adamw";  // adamw: fsdp::FusedAdamW; adamw-libtorch: torch::optim::AdamW
   double clip = 1.0;
   int log_every = 10;
   int grad_accum = 1;        // micro-batches per step; all but the last under no_sync

@@ -47,7 +47,10 @@ class DDPTrainee final : public Trainee {
     for (auto& [p, handle] : hooks_) p.remove_hook(handle);
   }
 
-  void begin_step() override { all_reduced_bytes_ = 0; }
+  void begin_step() override {
+    all_reduced_bytes_ = 0;
+    timed_phases_ = {};
+  }
   torch::Tensor forward(const std::function<torch::Tensor()>& forward) override { return forward(); }
   std::optional<c10::ScalarType> input_dtype() const override { return std::nullopt; }
   std::shared_ptr<void> no_sync() override {
@@ -89,6 +92,7 @@ class DDPTrainee final : public Trainee {
     for (const auto& p : unique_) m.memory.sharded_params += p.numel() * static_cast<int64_t>(p.element_size());
     m.memory.sharded_grads = m.memory.sharded_params;
     m.comm.all_reduce = all_reduced_bytes_;  // the tensors' bytes, as fsdp counts its own all-reduces
+    m.phases = timed_phases_;
     return m;
   }
   std::string describe() const override {

@@ -66,7 +66,7 @@ void LiveTraining::declare_identity(const torch::nn::Module& model, const std::s
   };
   live_->declare_identity({
       {"model", workload + ", " + fsdp::parameters_identity(model)},
-      {"optimizer", "AdamW lr " + exact(c_.lr) + " weight decay " + exact(c_.weight_decay) + " clip " + exact(c_.clip)},
+      {"optimizer", c_.optimizer + " lr " + exact(c_.lr) + " weight decay " + exact(c_.weight_decay) + " clip " + exact(c_.clip)},
       {"strategy", c_.strategy + " mixed precision " + c_.mixed_precision},
       {"data", c_.data + ", global batch " + std::to_string(c_.global_batch) + ", block size " +
                    std::to_string(c_.block_size)},

@@ -58,6 +58,17 @@ nlohmann::json to_json(const StepRecord& r) {
           {"reducing_grads_peak", m.memory.reducing_grads_peak},
           {"reducing_grads_at_backward_end", m.memory.reducing_grads_at_backward_end},
           {"reductions_in_flight_at_backward_end", m.memory.reductions_in_flight_at_backward_end}};
+  // Where the step's time went: each phase's wall time and the exposed communication inside it;
+  // "rest" is what no phase covers (the batch, zero_grad, the loss's all-reduce for this line).
+  nlohmann::json phases;
+  for (int i = 0; i < fsdp::kNumStepPhases; ++i) {
+    const fsdp::PhaseTime& t = m.phases.phase[i];
+    phases[fsdp::to_string(static_cast<fsdp::StepPhase>(i))] = {
+        {"ms", ms_of(t.wall_ns)}, {"exposed_all_gather_ms", ms_of(t.exposed_all_gather_ns)},
+        {"exposed_reduce_ms", ms_of(t.exposed_reduce_ns)}, {"rate_limiter_wait_ms", ms_of(t.rate_limiter_wait_ns)}};
+  }
+  phases["rest_ms"] = r.step_ms - ms_of(m.phases.wall_ns());
+  j["phases"] = std::move(phases);
   if (m.quantization.quantized_gathers > 0) {
     j["quantization"] = {{"gathers", m.quantization.quantized_gathers},
                          {"max_abs_error", m.quantization.max_abs_error},

@@ -1,13 +1,28 @@
 #include "trainee.h"
 
+#include <chrono>
+
 namespace train {
+
+std::shared_ptr<void> Trainee::phase(fsdp::StepPhase phase) {
+  struct Timed {
+    fsdp::PhaseTime& into;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Timed() {
+      into.wall_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      ++into.count;
+    }
+  };
+  return std::make_shared<Timed>(Timed{timed_phases_[phase]});
+}
+
 namespace {
 
 class LocalTrainee final : public Trainee {
  public:
   LocalTrainee(std::shared_ptr<torch::nn::Module> model, std::vector<torch::Tensor> unique)
       : model_(std::move(model)), unique_(std::move(unique)) {}
-  void begin_step() override {}
+  void begin_step() override { timed_phases_ = {}; }
   torch::Tensor forward(const std::function<torch::Tensor()>& forward) override { return forward(); }
   std::optional<c10::ScalarType> input_dtype() const override { return std::nullopt; }
   std::shared_ptr<void> no_sync() override { return nullptr; }
@@ -18,6 +33,7 @@ class LocalTrainee final : public Trainee {
     fsdp::Metrics m;
     for (const auto& p : unique_) m.memory.sharded_params += p.numel() * static_cast<int64_t>(p.element_size());
     m.memory.sharded_grads = m.memory.sharded_params;
+    m.phases = timed_phases_;
     return m;
   }
   std::string describe() const override { return "local training (no fsdp)"; }
@@ -58,6 +74,9 @@ class ShardedTrainee final : public Trainee {
   }
   bool is_sharded() const override { return true; }
   fsdp::FullyShardedDataParallelBase* wrapped() override { return &fsdp_; }
+  std::shared_ptr<void> phase(fsdp::StepPhase phase) override {
+    return std::make_shared<fsdp::FullyShardedDataParallelBase::PhaseScope>(fsdp_.record_phase(phase));
+  }
 
  private:
   std::optional<c10::ScalarType> input_dtype_;

@@ -38,6 +38,13 @@ class Trainee {
   virtual bool is_sharded() const = 0;
   // The wrapped model, for checkpoints (null for local training).
   virtual fsdp::FullyShardedDataParallelBase* wrapped() = 0;
+  // Counts what runs while the returned object lives as `phase` of the step, in metrics().phases:
+  // under fsdp its record_phase (also in the trace, with the exposed communication inside); here,
+  // for the others, the wall time only.
+  virtual std::shared_ptr<void> phase(fsdp::StepPhase phase);
+
+ protected:
+  fsdp::StepPhases timed_phases_;  // the base's phase(): the trainee's begin_step() clears it
 };
 
 // `unique_params`: the model's parameters, a tied weight once.

@@ -17,6 +17,7 @@
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/deferred_init.h"
+#include "fsdp/fused_optimizer.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/plan.h"
 #include "fsdp/process_memory.h"
@@ -35,10 +36,11 @@ namespace train {
 namespace {
 
 // AdamW with no weight decay on biases and norms (parameters keep their names under fsdp), each
-// parameter once (libtorch lists a tied weight under both names).
+// parameter once (libtorch lists a tied weight under both names): fsdp::FusedAdamW, or libtorch's
+// (--optimizer adamw-libtorch).
 struct Optimizer {
   std::vector<torch::Tensor> unique_params;
-  std::unique_ptr<torch::optim::AdamW> adamw;
+  std::unique_ptr<torch::optim::Optimizer> adamw;
 };
 
 Optimizer make_optimizer(torch::nn::Module& model, const Config& c) {
@@ -57,7 +59,11 @@ Optimizer make_optimizer(torch::nn::Module& model, const Config& c) {
                                  torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay)));
   groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
                                     torch::optim::AdamWOptions(c.lr).weight_decay(0.0)));
-  o.adamw = std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
+  if (c.optimizer == "adamw-libtorch") {
+    o.adamw = std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
+  } else {
+    o.adamw = std::make_unique<fsdp::FusedAdamW>(groups, torch::optim::AdamWOptions(c.lr));
+  }
   return o;
 }
 
@@ -457,14 +463,24 @@ int train(const Config& c) {
     optim.adamw->zero_grad();
     // Micro-batches of this rank's slice: all but the last accumulate without communicating.
     torch::Tensor loss;
+    // The step's phases (Metrics::phases, the JSONL's "phases", the trace's "step phases" track):
+    // forward with the loss, backward with the DDP baseline's final wait, clip, optimizer step.
+    auto forward_phase = [&] { return trainee->phase(fsdp::StepPhase::FORWARD); };
+    auto backward = [&](const torch::Tensor& l) {
+      auto timed = trainee->phase(fsdp::StepPhase::BACKWARD);
+      if (scaler) scaler->scale(l).backward(); else l.backward();
+      trainee->finish_backward();
+    };
     if (c.grad_accum == 1) {
       mark("forward");
-      loss = loss_of(batch);
+      {
+        auto timed = forward_phase();
+        loss = loss_of(batch);
+      }
       memory["after_forward"] = to_json(fsdp::process_memory(device));
       maybe_kill_for_test(step, world_rank, !restarted && !replacement, "forward");
       mark("backward");
-      if (scaler) scaler->scale(loss).backward(); else loss.backward();
-      trainee->finish_backward();
+      backward(loss);
     } else {
       const int64_t micro = per_rank / c.grad_accum;
       loss = torch::zeros({}, torch::TensorOptions().device(device));
@@ -472,11 +488,14 @@ int train(const Config& c) {
         std::shared_ptr<void> quiet;
         if (m + 1 < c.grad_accum) quiet = trainee->no_sync();
         mark("forward");
-        auto part = loss_of(slice(batch, m * micro, micro)) / c.grad_accum;
+        torch::Tensor part;
+        {
+          auto timed = forward_phase();
+          part = loss_of(slice(batch, m * micro, micro)) / c.grad_accum;
+        }
         if (m + 1 == c.grad_accum) memory["after_forward"] = to_json(fsdp::process_memory(device));
         mark("backward");
-        if (scaler) scaler->scale(part).backward(); else part.backward();
-        trainee->finish_backward();
+        backward(part);
         loss = loss + part.detach();
       }
     }
@@ -489,13 +508,20 @@ int train(const Config& c) {
       continue;
     }
     mark("step");
-    if (scaler) scaler->unscale_(*optim.adamw);
-    const double grad_norm = c.clip > 0 ? trainee->clip_grad_norm(c.clip, workload->model_parallel_parameters(*model)) : -1.0;
-    if (scaler) {
-      if (!scaler->step(*optim.adamw) && prints) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
-      scaler->update();
-    } else {
-      optim.adamw->step();
+    double grad_norm = -1.0;
+    {
+      auto timed = trainee->phase(fsdp::StepPhase::CLIP);
+      if (scaler) scaler->unscale_(*optim.adamw);
+      if (c.clip > 0) grad_norm = trainee->clip_grad_norm(c.clip, workload->model_parallel_parameters(*model));
+    }
+    {
+      auto timed = trainee->phase(fsdp::StepPhase::OPTIMIZER);
+      if (scaler) {
+        if (!scaler->step(*optim.adamw) && prints) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
+        scaler->update();
+      } else {
+        optim.adamw->step();
+      }
     }
     memory["after_step"] = to_json(fsdp::process_memory(device));
     memory["peak_live_tensor_bytes"] = peak.start_bytes() + peak.peak_bytes();

@@ -267,6 +267,28 @@ class FullyShardedDataParallelBase {
   Metrics metrics() const;
   // Starts a new step for metrics() and timeline().
   void reset_step();
+  // Counts what runs while the returned object lives as `phase` of the step (Metrics::phases, and
+  // a span on the trace's "step phases" track), with the exposed communication inside it. fsdp
+  // marks the root's forward, its backward and clip_grad_norm_ itself; mark the optimizer step:
+  //   { auto timed = model.record_phase(fsdp::StepPhase::OPTIMIZER); optimizer.step(); }
+  // and, to count the loss's own backward before the root's graph too, loss.backward() as
+  // BACKWARD. Phases do not nest: inside an open phase another is not counted.
+  class PhaseScope {
+   public:
+    ~PhaseScope();
+    PhaseScope(PhaseScope&& other) noexcept;
+    PhaseScope(const PhaseScope&) = delete;
+    PhaseScope& operator=(const PhaseScope&) = delete;
+    PhaseScope& operator=(PhaseScope&&) = delete;
+
+   private:
+    friend class FullyShardedDataParallelBase;
+    PhaseScope(detail::ShardedRoot* root, StepPhase phase, bool opened) : root_(root), phase_(phase), opened_(opened) {}
+    detail::ShardedRoot* root_;
+    StepPhase phase_;
+    bool opened_;
+  };
+  PhaseScope record_phase(StepPhase phase);
   std::vector<UnitInfo> units() const;
   // This rank's spans since the last reset_step(): each unit's forward and backward computation,
   // each collective (issue, start, end) and each blocking wait.

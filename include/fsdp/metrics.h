@@ -80,6 +80,38 @@ struct QuantizationStats {
   double max_abs_weight = 0.0;
 };
 
+// The phases of a training step (issue 38), Metrics::phases. fsdp marks FORWARD (the root's forward), BACKWARD (from
+// backward reaching the root's graph to the end of its reductions) and CLIP (clip_grad_norm_)
+// itself; the loop marks OPTIMIZER, and may mark BACKWARD around loss.backward() to include what runs
+// before the root's graph (FullyShardedDataParallelBase::record_phase). Phases do not nest: one
+// opened inside another is not counted separately.
+enum class StepPhase { FORWARD, BACKWARD, CLIP, OPTIMIZER };
+inline constexpr int kNumStepPhases = 4;
+const char* to_string(StepPhase phase);
+
+// One phase's wall time since the last reset_step(), and the exposed communication inside it (the
+// parts of OverlapStats that fell in it): the compute thread blocked on all-gathers, on reductions,
+// and by the rate limiter.
+struct PhaseTime {
+  int64_t wall_ns = 0;
+  int64_t exposed_all_gather_ns = 0;
+  int64_t exposed_reduce_ns = 0;
+  int64_t rate_limiter_wait_ns = 0;
+  int64_t count = 0;  // how many times it ran (micro-batches: several forwards and backwards)
+  int64_t exposed_ns() const { return exposed_all_gather_ns + exposed_reduce_ns + rate_limiter_wait_ns; }
+};
+
+struct StepPhases {
+  PhaseTime phase[kNumStepPhases];
+  PhaseTime& operator[](StepPhase p) { return phase[static_cast<int>(p)]; }
+  const PhaseTime& operator[](StepPhase p) const { return phase[static_cast<int>(p)]; }
+  int64_t wall_ns() const {
+    int64_t sum = 0;
+    for (const auto& p : phase) sum += p.wall_ns;
+    return sum;
+  }
+};
+
 struct Metrics {
   int64_t step = 0;  // number of reset_step() calls so far
   CommBytes comm;    // since the last reset_step()
@@ -88,6 +120,7 @@ struct Metrics {
   DetectionStats detection;
   DeviceMemoryStats device;
   QuantizationStats quantization;
+  StepPhases phases;
 };
 
 }  // namespace fsdp

@@ -17,6 +17,7 @@ enum class SpanKind {
   WAIT,            // the compute thread blocked on a collective: exposed communication
   RATE_LIMIT,      // the compute thread blocked by the rate limiter
   SEQUENCE_CHECK,  // the end-of-backward all-reduce that compares the ranks' collective sequences
+  PHASE,           // a phase of the step (Metrics::phases): `phase` says which
 };
 std::string to_string(SpanKind kind);
 
@@ -34,6 +35,7 @@ struct Span {
   SpanKind waited_for = SpanKind::WAIT;  // WAIT spans: the kind of collective waited for
   std::string dtype;           // collectives: the dtype of the buffers handed to the backend
   int64_t operator_calls = 0;  // FORWARD/BACKWARD: operator calls that entered fsdp for the unit (Metrics::detection)
+  int phase = -1;              // PHASE spans: the fsdp::StepPhase (metrics.h), as an int
   bool is_collective() const {
     return kind == SpanKind::ALL_GATHER || kind == SpanKind::REDUCE_SCATTER || kind == SpanKind::ALL_REDUCE ||
            kind == SpanKind::SEQUENCE_CHECK;

@@ -9,6 +9,8 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include "fsdp/fused_optimizer.h"
+
 namespace fsdp {
 namespace {
 
@@ -180,17 +182,19 @@ std::unique_ptr<OptimizerStateAdapter> OptimizerStateAdapter::for_optimizer(torc
   using namespace torch::optim;
   // Exact classes only: a subclass may keep state these adapters do not know.
   const std::type_info& t = typeid(optimizer);
-  if (t == typeid(AdamW)) {
+  // fsdp's fused optimizers keep libtorch's state and options classes under the same keys: their
+  // checkpoints are AdamW's and SGD's, and load into either.
+  if (t == typeid(AdamW) || t == typeid(FusedAdamW)) {
     return std::make_unique<Adapter<AdamWOptions, AdamWParamState, AdamTraits<AdamWOptions, AdamWParamState, kAdamW>>>();
   }
   if (t == typeid(Adam)) {
     return std::make_unique<Adapter<AdamOptions, AdamParamState, AdamTraits<AdamOptions, AdamParamState, kAdam>>>();
   }
-  if (t == typeid(SGD)) return std::make_unique<Adapter<SGDOptions, SGDParamState, SGDTraits>>();
+  if (t == typeid(SGD) || t == typeid(FusedSGD)) return std::make_unique<Adapter<SGDOptions, SGDParamState, SGDTraits>>();
   if (t == typeid(RMSprop)) return std::make_unique<Adapter<RMSpropOptions, RMSpropParamState, RMSpropTraits>>();
   if (t == typeid(Adagrad)) return std::make_unique<Adapter<AdagradOptions, AdagradParamState, AdagradTraits>>();
   throw std::invalid_argument(std::string("fsdp: checkpoints support the optimizers SGD, Adam, AdamW, RMSprop and "
-                                          "Adagrad of torch::optim; this one (") + t.name() +
+                                          "Adagrad of torch::optim, and fsdp::FusedAdamW and fsdp::FusedSGD; this one (") + t.name() +
                               ") is not supported. Save its state yourself, or checkpoint the model only (pass no "
                               "optimizer).");
 }

@@ -37,13 +37,23 @@ void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
   c10::SmallVector<Hit, 2> hits;  // an optimizer's update: the parameter and its gradient, no allocation
   {
     std::shared_lock<std::shared_mutex> lock(g_mutex);
+    auto consider = [&](const at::Tensor& t, bool writes) {
+      if (!t.defined() || !param_key::has_key(t) || !t.has_storage()) return;
+      auto it = g_storages.find(t.storage().unsafeGetStorageImpl());
+      if (it != g_storages.end()) hits.push_back(Hit{it->second, t, writes});
+    };
     for (size_t i = 0; i < n; ++i) {
       const c10::IValue& v = stack[stack.size() - n + i];
-      if (!v.isTensor() || !param_key::has_key(v.toTensor()) || !v.toTensor().has_storage()) continue;
-      auto it = g_storages.find(v.toTensor().storage().unsafeGetStorageImpl());
-      if (it == g_storages.end()) continue;
       const auto* alias = schema.arguments()[i].alias_info();
-      hits.push_back(Hit{it->second, v.toTensor(), alias != nullptr && alias->isWrite()});
+      // A list (fsdp::FusedAdamW's one call per parameter group: Tensor(a!)[]) writes its elements
+      // when its element type is written.
+      bool writes = alias != nullptr && alias->isWrite();
+      if (v.isTensor()) {
+        consider(v.toTensor(), writes);
+      } else if (v.isTensorList()) {
+        if (alias != nullptr && !alias->containedTypes().empty()) writes = writes || alias->containedTypes()[0].isWrite();
+        for (const at::Tensor& t : v.toTensorVector()) consider(t, writes);
+      }
     }
   }
   for (const Hit& hit : hits) {

@@ -182,6 +182,7 @@ void Runtime::begin_forward() {
     touch::arm(this, options_.unit_detection == UnitDetection::RECORD_FUNCTION);
   }
   phase_ = Phase::FORWARD;
+  owns_forward_phase_ = open_phase(fsdp::StepPhase::FORWARD);
   pending_before_forward_ = backward_pending_;
   comm_.set_backward_pass(false);
   touch::enter_forward();
@@ -205,6 +206,13 @@ void Runtime::forward_ends(size_t u) {
 
 void Runtime::end_forward(bool ok) {
   touch::leave_forward();
+  struct ClosePhase {
+    Runtime& rt;
+    ~ClosePhase() {
+      if (rt.owns_forward_phase_) rt.close_phase(fsdp::StepPhase::FORWARD);
+      rt.owns_forward_phase_ = false;
+    }
+  } close_phase{*this};
   // Its last operator has run; every unit deferred is freed below with the rest (or stays for
   // backward, as any unit of a strategy that does not reshard after forward).
   operator_units_.clear();
@@ -360,6 +368,7 @@ void Runtime::on_backward_started() {
   const bool again = phase_ == Phase::IDLE && retained_ && torch::autograd::get_current_graph_task_id() != -1;
   if (phase_ != Phase::FORWARD_DONE && !again) return;
   phase_ = Phase::BACKWARD;
+  owns_backward_phase_ = open_phase(fsdp::StepPhase::BACKWARD);
   comm_.set_backward_pass(true);
   refuse_at_end_ = grad_of_parameters();
   auto end = std::make_shared<BackwardEnd>(weak_from_this());
@@ -455,6 +464,13 @@ void Runtime::abort_backward() noexcept {
 }
 
 void Runtime::finish_backward() {
+  struct ClosePhase {
+    Runtime& rt;
+    ~ClosePhase() {
+      if (rt.owns_backward_phase_) rt.close_phase(fsdp::StepPhase::BACKWARD);
+      rt.owns_backward_phase_ = false;
+    }
+  } close_phase{*this};
   check_not_failed();
   touch::Suppress own_work;
   advance_reductions();
@@ -525,6 +541,7 @@ void Runtime::reset_step() {
   memory_.reducing_grads_peak = memory_.reducing_grads_current;
   overlap_ = OverlapStats{};
   detection_ = DetectionStats{};
+  phases_.reset();
 }
 
 }  // namespace fsdp

@@ -57,6 +57,7 @@
 #include "fsdp/metrics.h"
 #include "fsdp/options.h"
 #include "engine/param_guard.h"
+#include "engine/step_phases.h"
 #include "comm/rate_limiter.h"
 #include "engine/touch_detection.h"
 #include "engine/unit.h"
@@ -112,6 +113,12 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   const OverlapStats& overlap() const { return overlap_; }
   const DetectionStats& detection() const { return detection_; }
   void reset_step();  // peaks and overlap counters start again
+
+  // The step's phases (fsdp/metrics.h): fsdp opens FORWARD, BACKWARD and CLIP itself, the loop
+  // others (FullyShardedDataParallelBase::record_phase). open_phase is true when it opened.
+  bool open_phase(StepPhase phase) { return phases_.open(phase, overlap_); }
+  void close_phase(StepPhase phase) { phases_.close(phase, overlap_); }
+  const StepPhases& phases() const { return phases_.totals(); }
 
  private:
   void touched(size_t unit, const c10::TensorImpl* tensor, bool builds_graph, bool writes);
@@ -218,6 +225,8 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
 
   MemoryBytes memory_;
   OverlapStats overlap_;
+  StepPhaseClock phases_{comm_.timeline()};
+  bool owns_forward_phase_ = false, owns_backward_phase_ = false;  // opened by the root's passes
   DetectionStats detection_;
   std::string failure_;  // the first failure; everything throws it from then on
   std::string refuse_at_end_;  // a refusal the running pass's end throws (forward or backward)

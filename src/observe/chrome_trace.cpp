@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fsdp/metrics.h"
 #include "observe/chrome_trace.h"
 
 namespace fsdp {
@@ -19,11 +20,13 @@ int track_of(const Span& s) {
     case SpanKind::REDUCE_SCATTER: return 20 + s.track;
     case SpanKind::ALL_REDUCE: return 30 + s.track;
     case SpanKind::SEQUENCE_CHECK: return 40 + s.track;
+    case SpanKind::PHASE: return 0;
     default: return 1;
   }
 }
 
 std::string track_name(int track) {
+  if (track == 0) return "step phases";
   if (track == 1) return "compute";
   const char* kind = track < 20 ? "all-gather" : track < 30 ? "reduce-scatter" : track < 40 ? "all-reduce" : "sequence check";
   return std::string(kind) + " (worker " + std::to_string(track % 10) + ")";
@@ -49,6 +52,12 @@ void write_chrome_trace(const std::string& path, const std::vector<Span>& spans,
     if (s.end_ns == 0) continue;  // never finished (an exception mid-step): nothing to draw
     const int track = track_of(s);
     tracks.insert(track);
+    if (s.kind == SpanKind::PHASE) {  // the step's phases: forward, backward, clip, optimizer
+      events.push_back({{"ph", "X"}, {"pid", rank}, {"tid", track}, {"cat", "phase"},
+                        {"name", to_string(static_cast<StepPhase>(s.phase))}, {"ts", us(s.begin_ns)},
+                        {"dur", us(s.end_ns) - us(s.begin_ns)}});
+      continue;
+    }
     nlohmann::json e = {{"ph", "X"}, {"pid", rank}, {"tid", track}, {"cat", to_string(s.kind)},
                         {"name", (s.kind == SpanKind::WAIT ? "wait " + to_string(s.waited_for) : to_string(s.kind)) +
                                      " " + unit_name(s.unit)}};

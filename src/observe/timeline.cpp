@@ -18,6 +18,7 @@ std::string to_string(SpanKind kind) {
     case SpanKind::WAIT: return "wait";
     case SpanKind::RATE_LIMIT: return "rate-limit";
     case SpanKind::SEQUENCE_CHECK: return "sequence-check";
+    case SpanKind::PHASE: return "phase";
   }
   return "?";
 }
@@ -54,20 +55,25 @@ void Timeline::end(size_t span, int64_t operator_calls) {
   state_->spans[span].end_seq = ++state_->seq;
 }
 
-void Timeline::add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns, int64_t end_ns, SpanKind waited_for) {
-  Span s;
-  s.kind = kind;
-  s.unit = unit;
-  s.backward_pass = backward_pass;
-  s.begin_ns = s.start_ns = begin_ns;
-  s.end_ns = end_ns;
-  s.waited_for = waited_for;
+void Timeline::add(Span s) {
+  s.start_ns = s.begin_ns;
   std::lock_guard<std::mutex> lock(state_->mutex);
   s.seq = ++state_->seq;
   s.end_seq = ++state_->seq;
   if (state_->spans.size() >= kMaxSpans) return;
   state_->spans.push_back(s);
   state_->groups.push_back(nullptr);
+}
+
+void Timeline::add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns, int64_t end_ns, SpanKind waited_for) {
+  Span s;
+  s.kind = kind;
+  s.unit = unit;
+  s.backward_pass = backward_pass;
+  s.begin_ns = begin_ns;
+  s.end_ns = end_ns;
+  s.waited_for = waited_for;
+  add(s);
 }
 
 size_t Timeline::collective(Span proto, const void* group, const WorkPtr& work, bool stamp_completion) {

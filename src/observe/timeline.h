@@ -31,6 +31,8 @@ class Timeline {
   // A span already over (e.g. a wait measured by its caller).
   void add(SpanKind kind, int unit, bool backward_pass, int64_t begin_ns, int64_t end_ns,
            SpanKind waited_for = SpanKind::WAIT);
+  // A span already over, as given (a phase of the step: kind PHASE with its `phase`).
+  void add(Span span);
   // Records the issue of a collective on process group `group` (any stable id): `proto` gives its
   // kind, unit, pass, bytes and dtype. Its end is stamped by the backend's completion callback
   // when `stamp_completion`, else by completed().

@@ -75,6 +75,17 @@ std::vector<at::Tensor> FullyShardedDataParallelBase::parameters() const {
 double FullyShardedDataParallelBase::clip_grad_norm_(double max_norm, const std::vector<at::Tensor>& model_parallel) {
   return root_->clip_grad_norm(max_norm, model_parallel);
 }
+FullyShardedDataParallelBase::PhaseScope FullyShardedDataParallelBase::record_phase(StepPhase phase) {
+  return PhaseScope(root_.get(), phase, root_->runtime().open_phase(phase));
+}
+FullyShardedDataParallelBase::PhaseScope::PhaseScope(PhaseScope&& other) noexcept
+    : root_(other.root_), phase_(other.phase_), opened_(other.opened_) {
+  other.opened_ = false;
+}
+FullyShardedDataParallelBase::PhaseScope::~PhaseScope() {
+  if (opened_) root_->runtime().close_phase(phase_);
+}
+
 Metrics FullyShardedDataParallelBase::metrics() const { return root_->metrics(); }
 void FullyShardedDataParallelBase::reset_step() { root_->reset_step(); }
 std::vector<UnitInfo> FullyShardedDataParallelBase::units() const { return root_->units(); }

@@ -324,6 +324,7 @@ Metrics ShardedRoot::metrics() const {
   m.memory = runtime_->memory();
   m.overlap = runtime_->overlap();
   m.detection = runtime_->detection();
+  m.phases = runtime_->phases();
   m.device = device_memory_stats(device_);
   m.device.num_alloc_retries -= alloc_retries_at_reset_;
   m.memory.sharded_grads = 0;
@@ -357,6 +358,13 @@ double ShardedRoot::clip_grad_norm(double max_norm, const std::vector<at::Tensor
           "one would count it twice. List only the ignored parameters each rank holds its own part of.");
     }
   }
+  struct ClipPhase {
+    Runtime& rt;
+    bool opened;
+    ~ClipPhase() {
+      if (opened) rt.close_phase(StepPhase::CLIP);
+    }
+  } clip_phase{*runtime_, runtime_->open_phase(StepPhase::CLIP)};
   return fsdp::clip_grad_norm(units, *comm_, max_norm, model_parallel, options_.tensor_parallel.get());
 }
 

@@ -17,6 +17,7 @@ MAY_INCLUDE = {
     "observe": [],                      # the step's timeline and Chrome traces
     "memory": [],                       # device storage, fsdp's CPU allocator, process memory
     "init": [],                         # deferred and meta initialization
+    "optim": [],                        # the fused optimizers' update kernels
     "comm": ["observe"],                # collectives, process groups, streams, rate limiter, launch
     "tensor_parallel": ["comm", "observe"],  # the 2-D mesh, the plan, column/row-parallel layers
     "precision": ["comm"],              # mixed precision's dtypes, the sharded gradient scaler

@@ -12,12 +12,14 @@
 //     backward_throws   a hook throws in backward; zero_grad; training continues
 //     forward_throws    a hook throws in forward; training continues
 //     raw_pointer       a kernel that reads weights by data_ptr(), inside an unshard() scope
-//     no_sync_clip      clip_grad_norm_ / step after a no_sync backward (refused by name)
+//     no_sync_clip      clip_grad_norm_ / step (libtorch's and fsdp's fused optimizers) after a no_sync
+//                       backward (refused by name)
 //     frozen_blocks     a trainable first layer before 6 frozen blocks: how many units backward holds
 //                       gathered at once, by Metrics::memory and by live tensor bytes
 #include <algorithm>
 #include <cstring>
 
+#include "fsdp/fused_optimizer.h"
 #include "fsdp/process_memory.h"
 #include "worker.h"
 
@@ -238,6 +240,15 @@ json run_holes(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
           }
           out["clip_during_no_sync"] = error_of([&] { sharded.clip_grad_norm_(1.0); });
           out["step_during_no_sync"] = error_of([&] { optim.step(); });
+          // fsdp's fused optimizers reach the same guard (one call per group, the parameters in a list).
+          out["fused_adamw_during_no_sync"] = error_of([&] {
+            fsdp::FusedAdamW fused(sharded.parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
+            fused.step();
+          });
+          out["fused_sgd_during_no_sync"] = error_of([&] {
+            fsdp::FusedSGD fused(sharded.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+            fused.step();
+          });
           // Then the synchronized backward, as the loop should have done.
           models::lm_loss(sharded.forward(x2), y2).backward();
           models::lm_loss(local->forward(gx), gy).backward();

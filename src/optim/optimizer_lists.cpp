@@ -1,0 +1,65 @@
+#include "optim/optimizer_lists.h"
+
+#include <stdexcept>
+#include <unordered_set>
+
+namespace fsdp::optim {
+
+namespace {
+std::string where(size_t group, size_t index) {
+  return "parameter " + std::to_string(index) + " of parameter group " + std::to_string(group);
+}
+}  // namespace
+
+at::Tensor checked_grad(const char* optimizer, const at::Tensor& param, size_t group, size_t index) {
+  const at::Tensor& grad = param.grad();
+  if (grad.is_sparse()) {
+    throw std::invalid_argument(std::string("fsdp: ") + optimizer + " does not support sparse gradients (" +
+                                where(group, index) + "); use torch::optim's optimizers for them");
+  }
+  const auto dtype = param.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) {
+    throw std::invalid_argument(std::string("fsdp: ") + optimizer + " steps float32 and float64 parameters; " +
+                                where(group, index) + " is " + std::string(c10::toString(dtype)) +
+                                " (with fsdp's mixed precision the parameters stay float32: pass a param_dtype in "
+                                "Options::mixed_precision rather than converting the model), or use torch::optim's optimizers");
+  }
+  if (!param.device().is_cpu() && !param.device().is_cuda()) {
+    throw std::invalid_argument(std::string("fsdp: ") + optimizer + " runs on CPU and CUDA; " + where(group, index) +
+                                " is on " + param.device().str());
+  }
+  if (!param.is_contiguous()) {
+    throw std::invalid_argument(std::string("fsdp: ") + optimizer + " steps contiguous parameters; " +
+                                where(group, index) + " is not (use torch::optim's optimizers for it)");
+  }
+  if (grad.scalar_type() != dtype || grad.device() != param.device() || grad.sizes() != param.sizes()) {
+    throw std::invalid_argument(std::string("fsdp: ") + optimizer + ": the gradient of " + where(group, index) +
+                                " is not a " + std::string(c10::toString(dtype)) + " tensor of the parameter's shape on " +
+                                param.device().str());
+  }
+  return grad.contiguous();
+}
+
+void check_unique(const char* optimizer, const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      if (!seen.insert(groups[g].params()[i].unsafeGetTensorImpl()).second) {
+        throw std::invalid_argument(std::string("fsdp: ") + optimizer + ": " + where(g, i) +
+                                    " is listed twice (a tied weight under each of its names?): it would be stepped "
+                                    "twice per step. Build the optimizer from FullyShardedDataParallel::parameters(), "
+                                    "which lists each parameter once.");
+      }
+    }
+  }
+}
+
+at::Tensor& kernel_ready(at::Tensor& state, const at::Tensor& param) {
+  if (!state.is_contiguous() || state.sizes() != param.sizes() || state.scalar_type() != param.scalar_type() ||
+      state.device() != param.device()) {
+    state = state.to(param.options()).reshape(param.sizes()).contiguous();
+  }
+  return state;
+}
+
+}  // namespace fsdp::optim
