@@ -37,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("ours", "fsdp2", "fsdp1")
 MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LABELS = {"ours": "ours (fsdp-train)", "fsdp2": "PyTorch FSDP2", "fsdp1": "PyTorch FSDP1"}
+PHASES = ("forward", "backward", "clip", "optimizer", "rest")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,28 +227,43 @@ def train(system, rank, W, export_dir, dev, adamw_impl, mixed):
     xs, ys = batches["x"], batches["y"]
     per_rank = cfg["global_batch"] // W
     lo, hi = rank * per_rank, (rank + 1) * per_rank
-    losses, step_ms = [], []
+    losses, step_ms, phases = [], [], []
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for step in range(cfg["steps"]):
         # Timed region = fsdp-train's: batch slice, zero_grad, forward, loss, backward, clip,
         # optimizer step, and the all-reduce of the loss for logging (whose .item() also waits
-        # for a GPU to finish).
+        # for a GPU to finish). The phases are fsdp-train's too (its JSONL "phases"): forward with
+        # the loss, backward, clip, optimizer step, and the rest. On CPU every call returns when its
+        # work is done (Gloo's waits included), so a timer around each call is the phase.
         t0 = time.perf_counter()
         x, y = xs[step, lo:hi].to(dev), ys[step, lo:hi].to(dev)
         optim.zero_grad()
+        t1 = time.perf_counter()
         loss = lm_loss(wrapped(x), y)
+        sync()
+        t2 = time.perf_counter()
         loss.backward()
+        sync()
+        t3 = time.perf_counter()
         if cfg["clip"] > 0:
             if system == "fsdp1":
                 wrapped.clip_grad_norm_(cfg["clip"])
             else:  # DTensor gradients: the norm's reduction runs over the mesh
                 torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg["clip"])
+        sync()
+        t4 = time.perf_counter()
         optim.step()
+        sync()
+        t5 = time.perf_counter()
         l = loss.detach().reshape(1).clone()
         dist.all_reduce(l)
         global_loss = l.item() / W
-        step_ms.append((time.perf_counter() - t0) * 1000.0)
+        t6 = time.perf_counter()
+        step_ms.append((t6 - t0) * 1000.0)
+        phases.append({"forward": (t2 - t1) * 1e3, "backward": (t3 - t2) * 1e3, "clip": (t4 - t3) * 1e3,
+                       "optimizer": (t5 - t4) * 1e3, "rest": ((t1 - t0) + (t6 - t5)) * 1e3})
         losses.append(global_loss)
-    return {"losses": losses, "step_ms": step_ms}
+    return {"losses": losses, "step_ms": step_ms, "phases": phases}
 
 
 def run_pytorch(system, args, export_dir, workdir, run_index):
@@ -313,7 +329,15 @@ def run_ours(args, workdir, run_index):
     rows = sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["step"])
     if [r["step"] for r in rows] != list(range(args.steps)):
         return None, f"{metrics} has rank 0 steps {[r['step'] for r in rows]}, not 0..{args.steps - 1}", ""
-    return {"losses": [r["loss"] for r in rows], "step_ms": [r["step_ms"] for r in rows]}, None, None
+    def phases_of(r):
+        ph = r["phases"]
+        out = {p: ph[p]["ms"] for p in PHASES if p != "rest"}
+        out["rest"] = ph["rest_ms"]
+        for p in ("forward", "backward"):  # what of it the compute thread waited for communication
+            out["exposed " + p] = ph[p]["exposed_all_gather_ms"] + ph[p]["exposed_reduce_ms"] + ph[p]["rate_limiter_wait_ms"]
+        return out
+    return {"losses": [r["loss"] for r in rows], "step_ms": [r["step_ms"] for r in rows],
+            "phases": [phases_of(r) for r in rows]}, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,6 +348,7 @@ def parse_args():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fsdp-train", default=os.path.join(REPO, "build", "bin", "fsdp-train"))
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-sizes", default="", help="comma list, e.g. 2,4: every world size in one run (overrides --world-size)")
     p.add_argument("--model", default="default", help="GPT preset (see models/gpt.cpp)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch-size", type=int, default=16)
@@ -356,8 +381,9 @@ def parse_args():
     if bad or not systems:
         p.error(f"--systems: unknown {bad}; choose from {','.join(SYSTEMS)}")
     args.systems = [s for s in SYSTEMS if s in systems]  # fixed order, ours first
-    if args.global_batch_size % args.world_size:
-        p.error("--global-batch-size must be a multiple of --world-size")
+    args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()] or [args.world_size]
+    if any(args.global_batch_size % w for w in args.world_sizes):
+        p.error("--global-batch-size must be a multiple of every world size")
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
     if not os.access(args.fsdp_train, os.X_OK):
@@ -378,11 +404,18 @@ def this_command_line(script):
     return python + " " + shlex.join([os.path.relpath(os.path.abspath(script), REPO)] + sys.argv[1:])
 
 
-def main():
-    args = parse_args()
-    command = this_command_line(__file__)
-    threads = max(1, (os.cpu_count() or 1) // args.world_size)
-    print(f"vs_pytorch: torch {torch.__version__}, {args.device}, W={args.world_size}, "
+def phase_medians(runs, warmup):
+    """Per phase: the median over the runs of each run's median after warm-up."""
+    keys = runs[0]["phases"][0].keys()
+    return {k: statistics.median(statistics.median(ph[k] for ph in res["phases"][warmup:]) for res in runs) for k in keys}
+
+
+def run_world_size(args, W, command):
+    """Every system at world size W, alternately, --repeats times. Returns (exit code, lines for the
+    markdown, {system: median step ms}, {system: phase medians})."""
+    args.world_size = W
+    threads = max(1, (os.cpu_count() or 1) // W)
+    print(f"vs_pytorch: torch {torch.__version__}, {args.device}, W={W}, "
           f"{threads} thread(s) per rank, model '{args.model}', {args.steps} steps "
           f"({args.warmup} warm-up), global batch {args.global_batch_size}, {args.repeats} repeat(s)",
           flush=True)
@@ -454,22 +487,61 @@ def main():
             print(f"  {LABELS[s]:18s} did not run: {err}")
         exit_code = max(exit_code, 2)
 
+    # (3) Where each system's step goes: the same phases, timed around the same calls (ours from
+    # its JSONL, with the communication the compute thread waited for inside forward and backward).
+    phases = {s: phase_medians(runs[s], args.warmup) for s in ok}
+    cols = list(PHASES) + ["exposed forward", "exposed backward"]
+    print("\nphases (ms, medians):")
+    print(f"  {'system':18s}" + "".join(f"{c:>18s}" for c in cols))
+    for s in ok:
+        print(f"  {LABELS[s]:18s}" + "".join(f"{phases[s][c]:18.1f}" if c in phases[s] else f"{'-':>18s}" for c in cols))
+
+    md = []
     if args.markdown:
-        print(f"\n```bash\n{command}\n```\n")
-        print(f"torch {torch.__version__}, {args.device}, W = {args.world_size}, "
-              f"{threads} thread(s) per rank, GPT '{args.model}', global batch {args.global_batch_size} x "
-              f"{cfg['block_size']} tokens, {args.steps} steps of which {args.warmup} warm-up, "
-              f"median over the runs that completed.\n")
-        print("| system | median step (ms) | ours / system | max \\|Δloss\\| vs ours, first "
-              f"{shown} steps | runs completed |")
-        print("|---|---|---|---|---|")
+        md.append(f"torch {torch.__version__}, {args.device}, W = {W}, {threads} thread(s) per rank, GPT '{args.model}' "
+                  f"({cfg['n_layer']} layers, d_model {cfg['d_model']}), global batch {args.global_batch_size} x "
+                  f"{cfg['block_size']} tokens, {args.steps} steps of which {args.warmup} warm-up, "
+                  f"median over the runs that completed.\n")
+        md.append("| system | median step (ms) | ours / system | " + " | ".join(f"{c} (ms)" for c in cols) +
+                  f" | max \\|Δloss\\| vs ours, first {shown} steps | runs completed |")
+        md.append("|---|---|---|" + "---|" * len(cols) + "---|---|")
         for s in args.systems:
             if not runs[s]:
-                print(f"| {LABELS[s]} | did not run: {errors[s].replace('|', '/')} | – | – | 0 of {args.repeats} |")
+                md.append(f"| {LABELS[s]} | did not run: {errors[s].replace('|', '/')} | – |" + " – |" * len(cols) +
+                          f" – | 0 of {args.repeats} |")
                 continue
             ratio = f"{med['ours'] / med[s]:.2f}" if "ours" in ok else "–"
             delta = "(reference)" if s == "ours" else (f"{deltas[s]:.1e}" if s in deltas else "–")
-            print(f"| {LABELS[s]} | {med[s]:.1f} | {ratio} | {delta} | {len(runs[s])} of {args.repeats} |")
+            cells = " | ".join(f"{phases[s][c]:.1f}" if c in phases[s] else "–" for c in cols)
+            md.append(f"| {LABELS[s]} | {med[s]:.1f} | {ratio} | {cells} | {delta} | {len(runs[s])} of {args.repeats} |")
+        md.append("")
+    return exit_code, md, med, phases
+
+
+def main():
+    args = parse_args()
+    command = this_command_line(__file__)
+    exit_code, md, summary = 0, [], []
+    for W in args.world_sizes:
+        code, lines, med, _ = run_world_size(args, W, command)
+        exit_code = max(exit_code, code)
+        md += lines
+        peers = [s for s in med if s != "ours"]
+        if "ours" in med and peers:
+            faster = min(peers, key=lambda s: med[s])
+            summary.append((W, faster, med["ours"] / med[faster]))
+        print(flush=True)
+    if summary:
+        print("ours / the faster peer (median step, medians of the repeats; goal 0.75):")
+        for W, peer, ratio in summary:
+            print(f"  W={W}: {ratio:.2f} (faster peer: {LABELS[peer]})")
+    if args.markdown:
+        print(f"\n```bash\n{command}\n```\n")
+        print("\n".join(md))
+        if summary:
+            print("| W | ours / faster peer | faster peer |\n|---|---|---|")
+            for W, peer, ratio in summary:
+                print(f"| {W} | {ratio:.2f} | {LABELS[peer]} |")
     return exit_code
 
 

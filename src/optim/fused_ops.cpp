@@ -57,6 +57,19 @@ void check_lists(const char* op, const at::TensorList params, std::initializer_l
   }
 }
 
+// In the kernels, below fsdp's guard: what the guard refuses by name (a no_sync gradient, in the
+// whole parameter's shape) is refused there first.
+void check_adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 at::TensorList max_exp_avg_sqs, bool amsgrad) {
+  check_lists("FusedAdamW", params, {{"gradient", grads}, {"exp_avg", exp_avgs}, {"exp_avg_sq", exp_avg_sqs}});
+  if (amsgrad) check_lists("FusedAdamW", params, {{"max_exp_avg_sq", max_exp_avg_sqs}});
+}
+
+void check_sgd(at::TensorList params, at::TensorList grads, at::TensorList bufs, double momentum) {
+  check_lists("FusedSGD", params, {{"gradient", grads}});
+  if (momentum != 0) check_lists("FusedSGD", params, {{"momentum_buffer", bufs}});
+}
+
 template <typename T>
 cpu::AdamWStep<T> adamw_step(const AdamWHyper& h, int64_t step) {
   // libtorch AdamW's scalars, in double, then rounded to T as a Scalar argument is.
@@ -90,6 +103,7 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                at::TensorList max_exp_avg_sqs, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool amsgrad) {
   const AdamWHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad};
+  check_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad);
   if (params.empty()) return;
   if (params[0].scalar_type() == at::kFloat) {
     adamw_cpu_typed<float>(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, h);
@@ -119,6 +133,7 @@ void sgd_cpu_typed(at::TensorList params, at::TensorList grads, at::TensorList b
 void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, at::IntArrayRef fresh, double lr,
              double momentum, double dampening, double weight_decay, bool nesterov) {
   const SGDHyper h{lr, momentum, dampening, weight_decay, nesterov};
+  check_sgd(params, grads, bufs, momentum);
   if (params.empty()) return;
   if (params[0].scalar_type() == at::kFloat) {
     sgd_cpu_typed<float>(params, grads, bufs, fresh, h);
@@ -132,6 +147,7 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, a
 void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                 at::TensorList max_exp_avg_sqs, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
                 double weight_decay, bool amsgrad) {
+  check_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad);
   if (params.empty()) return;
   std::vector<float> before(steps.begin(), steps.end());
   for (float& s : before) s -= 1;
@@ -144,6 +160,7 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_
 
 void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, at::IntArrayRef fresh, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov) {
+  check_sgd(params, grads, bufs, momentum);
   if (params.empty()) return;
   // aten::_fused_sgd_ takes one first-step flag for the whole list: split by it.
   for (const bool first : {true, false}) {
@@ -192,8 +209,6 @@ TORCH_LIBRARY_IMPL(fsdp_cpp, Autograd, m) {
 void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                  const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                  const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<int64_t>& steps, const AdamWHyper& h) {
-  check_lists("FusedAdamW", params, {{"gradients", grads}, {"exp_avg", exp_avgs}, {"exp_avg_sq", exp_avg_sqs}});
-  if (h.amsgrad) check_lists("FusedAdamW", params, {{"max_exp_avg_sq", max_exp_avg_sqs}});
   static const auto call = op("fsdp_cpp::fused_adamw_")
                                .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                                            at::IntArrayRef, double, double, double, double, double, bool)>();
@@ -203,8 +218,6 @@ void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Te
 
 void fused_sgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& momentum_buffers, const std::vector<int64_t>& fresh, const SGDHyper& h) {
-  check_lists("FusedSGD", params, {{"gradients", grads}});
-  if (h.momentum != 0) check_lists("FusedSGD", params, {{"momentum_buffer", momentum_buffers}});
   static const auto call =
       op("fsdp_cpp::fused_sgd_")
           .typed<void(at::TensorList, at::TensorList, at::TensorList, at::IntArrayRef, double, double, double, double, bool)>();

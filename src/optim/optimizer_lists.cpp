@@ -32,11 +32,8 @@ at::Tensor checked_grad(const char* optimizer, const at::Tensor& param, size_t g
     throw std::invalid_argument(std::string("fsdp: ") + optimizer + " steps contiguous parameters; " +
                                 where(group, index) + " is not (use torch::optim's optimizers for it)");
   }
-  if (grad.scalar_type() != dtype || grad.device() != param.device() || grad.sizes() != param.sizes()) {
-    throw std::invalid_argument(std::string("fsdp: ") + optimizer + ": the gradient of " + where(group, index) +
-                                " is not a " + std::string(c10::toString(dtype)) + " tensor of the parameter's shape on " +
-                                param.device().str());
-  }
+  // Its shape is checked by the kernel, after fsdp's guard: a gradient of another shape is what a
+  // no_sync backward leaves (this rank's unreduced sum of the whole parameter), and the guard says so.
   return grad.contiguous();
 }
 
