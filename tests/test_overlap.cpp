@@ -181,7 +181,9 @@ TEST(Overlap, TrainingTraceHoldsEveryUnitAndCollective) {
       if (ev["ph"] != "X") continue;
       EXPECT_EQ(ev["pid"].get<int>(), r);
       EXPECT_GE(ev["dur"].get<double>(), 0.0);
-      const std::string cat = ev["cat"], unit = ev["args"]["unit"];
+      const std::string cat = ev["cat"];
+      if (cat == "phase") continue;  // the step's phases (PhasesAreTheTracesAndTheirExposedWaits)
+      const std::string unit = ev["args"]["unit"];
       if (cat == "forward") ++forward[unit];
       if (cat == "backward") ++backward[unit];
       if (cat == "all-gather" || cat == "reduce-scatter" || cat == "all-reduce") ++collectives[cat];
@@ -194,6 +196,72 @@ TEST(Overlap, TrainingTraceHoldsEveryUnitAndCollective) {
       EXPECT_EQ(collectives["all-gather"], calls["all_gather"].get<int>());
       EXPECT_EQ(collectives["reduce-scatter"], calls["reduce_scatter"].get<int>());
       EXPECT_EQ(collectives["all-reduce"], calls["all_reduce"].get<int>());
+    }
+  }
+  std::system(("rm -rf " + dir + " " + metrics).c_str());
+}
+
+// The step's phases (Metrics::phases): the JSONL's "phases" and the trace's "step phases" track say
+// the same, and the exposed communication the JSONL puts in each phase is what the trace's waits
+// inside that phase's span add up to (the counter checked against what the timeline measured).
+TEST(Overlap, PhasesAreTheTracesAndTheirExposedWaits) {
+  const std::string dir = fsdp_test::temp_prefix("phases");
+  const std::string metrics = dir + "-metrics.jsonl";
+  auto run = fsdp_test::sh(fsdp_test::fsdp_train() + " --nproc-per-node 2 --model tiny --steps 3 --trace " + dir +
+                           " --trace-step 1 --metrics-jsonl " + metrics);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (int r = 0; r < 2; ++r) {
+    json row;
+    for (const auto& j : fsdp_test::read_jsonl(metrics)) {
+      if (j.value("rank", -1) == r && j.value("step", -1) == 1) row = j;
+    }
+    ASSERT_TRUE(row.contains("phases")) << row.dump();
+    const json& ph = row["phases"];
+    double sum = 0, exposed_sum = 0;
+    for (const char* p : {"forward", "backward", "clip", "optimizer"}) {
+      const double ms = ph[p]["ms"].get<double>();
+      const double exposed = ph[p]["exposed_all_gather_ms"].get<double>() + ph[p]["exposed_reduce_ms"].get<double>() +
+                             ph[p]["rate_limiter_wait_ms"].get<double>();
+      EXPECT_GT(ms, 0.0) << p;
+      EXPECT_LE(exposed, ms + 1e-6) << p;
+      sum += ms;
+      exposed_sum += exposed;
+    }
+    EXPECT_GE(ph["rest_ms"].get<double>(), 0.0);
+    EXPECT_NEAR(sum + ph["rest_ms"].get<double>(), row["step_ms"].get<double>(), 1e-6);
+    // Every exposed wait of the step fell in one of its phases.
+    EXPECT_NEAR(exposed_sum, row["exposed_comm_ms"].get<double>(), 1e-3);
+
+    const json trace = fsdp_test::read_json(dir + "/trace-rank" + std::to_string(r) + ".json");
+    std::map<std::string, std::pair<double, double>> spans;  // phase -> [begin, end) in us
+    std::vector<std::pair<double, double>> waits;
+    for (const auto& ev : trace["traceEvents"]) {
+      if (ev["ph"] != "X") continue;
+      const std::string cat = ev["cat"];
+      const double ts = ev["ts"].get<double>(), dur = ev["dur"].get<double>();
+      if (cat == "phase") {
+        EXPECT_EQ(spans.count(ev["name"].get<std::string>()), 0u) << "one span per phase";
+        spans[ev["name"].get<std::string>()] = {ts, ts + dur};
+      }
+      // The waits Metrics counts as exposed: for a unit's all-gather or reduction, or the rate
+      // limiter. Not the end-of-backward sequence check (sequence_check_ms) nor clip_grad_norm_'s
+      // all-reduce of the norm (in the clip phase's wall time).
+      const std::string name = ev["name"];
+      const bool counted = cat == "rate-limit" || (cat == "wait" && name.find("sequence-check") == std::string::npos &&
+                                                   name.find("(whole model)") == std::string::npos);
+      if (counted) waits.push_back({ts, ts + dur});
+    }
+    for (const char* p : {"forward", "backward", "clip", "optimizer"}) {
+      ASSERT_EQ(spans.count(p), 1u) << "no " << p << " span on rank " << r;
+      const auto [b, e] = spans[p];
+      EXPECT_NEAR((e - b) / 1000.0, ph[p]["ms"].get<double>(), 0.01) << p;
+      double waited_us = 0;
+      for (const auto& [wb, we] : waits) {
+        if (wb >= b && we <= e) waited_us += we - wb;
+      }
+      const double exposed = ph[p]["exposed_all_gather_ms"].get<double>() + ph[p]["exposed_reduce_ms"].get<double>() +
+                             ph[p]["rate_limiter_wait_ms"].get<double>();
+      EXPECT_NEAR(waited_us / 1000.0, exposed, 0.05 + 0.05 * exposed) << p << " on rank " << r;
     }
   }
   std::system(("rm -rf " + dir + " " + metrics).c_str());

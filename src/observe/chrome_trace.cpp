@@ -55,7 +55,7 @@ void write_chrome_trace(const std::string& path, const std::vector<Span>& spans,
     if (s.kind == SpanKind::PHASE) {  // the step's phases: forward, backward, clip, optimizer
       events.push_back({{"ph", "X"}, {"pid", rank}, {"tid", track}, {"cat", "phase"},
                         {"name", to_string(static_cast<StepPhase>(s.phase))}, {"ts", us(s.begin_ns)},
-                        {"dur", us(s.end_ns) - us(s.begin_ns)}});
+                        {"dur", us(s.end_ns) - us(s.begin_ns)}, {"args", {{"unit", "(the step)"}}}});
       continue;
     }
     nlohmann::json e = {{"ph", "X"}, {"pid", rank}, {"tid", track}, {"cat", to_string(s.kind)},
