@@ -89,10 +89,10 @@ int main(int argc, char** argv) {
     configs.push_back({"hybrid_shard_zero2", "hybrid_shard_zero2", 4, 2, false, ""});
   } else {
     for (int w : {2, 4}) {
-      configs.push_back({"no prefetch", "full_shard", w, 0, false, "--backward-prefetch none"});
-      configs.push_back({"backward_post", "full_shard", w, 0, false, "--backward-prefetch backward_post"});
-      configs.push_back({"backward_pre (default)", "full_shard", w, 0, false, "--backward-prefetch backward_pre"});
-      configs.push_back({"backward_pre + forward prefetch", "full_shard", w, 0, false,
+      configs.push_back({"no prefetch", "full_shard", w, 0, false, "--backward-prefetch none --no-forward-prefetch"});
+      configs.push_back({"backward_post", "full_shard", w, 0, false, "--backward-prefetch backward_post --no-forward-prefetch"});
+      configs.push_back({"backward_pre", "full_shard", w, 0, false, "--backward-prefetch backward_pre --no-forward-prefetch"});
+      configs.push_back({"backward_pre + forward prefetch (default)", "full_shard", w, 0, false,
                          "--backward-prefetch backward_pre --forward-prefetch"});
       configs.push_back({"backward_pre, rate limiter off", "full_shard", w, 0, false,
                          "--backward-prefetch backward_pre --limit-all-gathers 0"});

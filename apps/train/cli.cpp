@@ -53,7 +53,9 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
       ->check(CLI::IsMember({"dispatch_key", "record_function"}));
   app.add_option("--backward-prefetch", c.backward_prefetch, "none|backward_pre|backward_post")
       ->check(CLI::IsMember({"none", "backward_pre", "backward_post"}));
-  app.add_flag("--forward-prefetch", c.forward_prefetch, "prefetch in forward from the previous iteration's order (static graphs)");
+  app.add_flag("--forward-prefetch,!--no-forward-prefetch", c.forward_prefetch,
+               "prefetch in forward from the previous iteration's order (static graphs; on by default: the workloads "
+               "here are static)");
   app.add_option("--prefetch-count", c.prefetch_count, "how many units ahead a prefetch reaches")->check(CLI::PositiveNumber);
   app.add_option("--limit-all-gathers", c.limit_all_gathers, "rate limiter: all-gathers in flight at most (0: off)")
       ->check(CLI::NonNegativeNumber);

@@ -39,7 +39,7 @@ struct Config {
   std::string device = "cpu";
   std::string backward_prefetch = "backward_pre";
   std::string unit_detection = "dispatch_key";
-  bool forward_prefetch = false;
+  bool forward_prefetch = true;  // issue 38: exposed comm 6.7 % -> 1.2 % of the step at W = 2 (docs/performance.md)
   int prefetch_count = 1;
   int limit_all_gathers = 2;
   std::string gloo_reduce_scatter = "ring";  // or all_reduce (Gloo's own: twice the bytes)
