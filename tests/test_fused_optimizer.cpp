@@ -262,4 +262,31 @@ TEST(FusedOptimizer, RefusesWhatItCannotStepByName) {
             std::string::npos);
 }
 
+// The outside review of issue 38: what libtorch refuses, refused alike, naming the cause.
+TEST(FusedOptimizer, RefusesWhatLibtorchRefusesNamingTheCause) {
+  // A gradient of another shape but as many elements: read flat it would land on the wrong elements.
+  auto a = torch::arange(12, torch::kFloat).view({3, 4}).requires_grad_(true);
+  a.mutable_grad() = torch::eye(4, 3);
+  const std::string shape = error_of([&] { fsdp::FusedSGD(std::vector<torch::Tensor>{a}, torch::optim::SGDOptions(1.0)).step(); });
+  EXPECT_NE(shape.find("shape"), std::string::npos) << shape;
+  EXPECT_TRUE(torch::equal(a.detach(), torch::arange(12, torch::kFloat).view({3, 4}))) << "stepped before refusing";
+  // A float32 gradient on a float64 parameter: the message says dtype, not "contiguous".
+  auto q = torch::randn({5}, torch::kDouble).requires_grad_(true);
+  q.mutable_grad() = torch::randn({5});
+  const std::string dtype = error_of([&] { fsdp::FusedAdamW(std::vector<torch::Tensor>{q}).step(); });
+  EXPECT_NE(dtype.find("Float"), std::string::npos) << dtype;
+  EXPECT_NE(dtype.find("cast"), std::string::npos) << dtype;
+  // Options libtorch's constructors refuse.
+  auto p = torch::randn({4}).requires_grad_(true);
+  const std::vector<torch::Tensor> ps{p};
+  EXPECT_NE(error_of([&] { fsdp::FusedAdamW(ps, torch::optim::AdamWOptions(-1e-3)); }).find("learning rate"), std::string::npos);
+  EXPECT_NE(error_of([&] { fsdp::FusedAdamW(ps, torch::optim::AdamWOptions(1e-3).betas({1.0, 0.999})); }).find("betas"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { fsdp::FusedAdamW(ps, torch::optim::AdamWOptions(1e-3).eps(-1)); }).find("epsilon"), std::string::npos);
+  EXPECT_NE(error_of([&] { fsdp::FusedSGD(ps, torch::optim::SGDOptions(0.1).nesterov(true)); }).find("Nesterov"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { fsdp::FusedSGD(ps, torch::optim::SGDOptions(0.1).momentum(-1)); }).find("momentum"),
+            std::string::npos);
+}
+
 }  // namespace

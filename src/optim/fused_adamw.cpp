@@ -19,6 +19,7 @@ FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& par
                        torch::optim::AdamWOptions defaults)
     : Optimizer(param_groups, std::make_unique<torch::optim::AdamWOptions>(defaults)) {
   optim::check_unique(kName, param_groups_);
+  optim::check_adamw_options(param_groups_);
 }
 
 FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults)
@@ -26,12 +27,7 @@ FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOption
 
 at::Tensor FusedAdamW::step(LossClosure closure) {
   at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  optim::check_unique(kName, param_groups_);
+  const at::Tensor loss = optim::begin_step(kName, param_groups_, closure);
   struct Lists {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
     std::vector<int64_t> steps;

@@ -47,11 +47,19 @@ void check_lists(const char* op, const at::TensorList params, std::initializer_l
     for (const auto& [name, list] : others) {
       const at::Tensor& t = list[i];
       if (!t.defined()) continue;
-      if (t.scalar_type() != p.scalar_type() || t.device() != p.device() || t.numel() != p.numel() ||
-          !t.is_contiguous() || !t.is_non_overlapping_and_dense()) {
-        throw std::invalid_argument(std::string("fsdp: ") + op + ": parameter " + std::to_string(i) + "'s " + name +
-                                    " is not a contiguous " + std::string(c10::toString(p.scalar_type())) + " tensor of " +
-                                    std::to_string(p.numel()) + " elements on " + p.device().str());
+      const std::string what = std::string("fsdp: ") + op + ": parameter " + std::to_string(i) + "'s " + name;
+      if (t.scalar_type() != p.scalar_type()) {
+        throw std::invalid_argument(what + " is " + std::string(c10::toString(t.scalar_type())) + ", the parameter " +
+                                    std::string(c10::toString(p.scalar_type())) + ": cast it to the parameter's dtype");
+      }
+      if (t.sizes() != p.sizes()) {
+        // libtorch's operators would refuse it (or broadcast it); read flat it would land on the
+        // wrong elements.
+        throw std::invalid_argument(what + " has shape " + c10::str(t.sizes()) + ", the parameter " + c10::str(p.sizes()) +
+                                    ": give it the parameter's shape");
+      }
+      if (t.device() != p.device() || !t.is_contiguous()) {
+        throw std::invalid_argument(what + " is not a contiguous tensor on the parameter's device " + p.device().str());
       }
     }
   }

@@ -18,6 +18,7 @@ constexpr const char* kName = "FusedSGD";
 FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, torch::optim::SGDOptions defaults)
     : Optimizer(param_groups, std::make_unique<torch::optim::SGDOptions>(defaults)) {
   optim::check_unique(kName, param_groups_);
+  optim::check_sgd_options(param_groups_);
 }
 
 FusedSGD::FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults)
@@ -25,12 +26,7 @@ FusedSGD::FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defa
 
 at::Tensor FusedSGD::step(LossClosure closure) {
   at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  optim::check_unique(kName, param_groups_);
+  const at::Tensor loss = optim::begin_step(kName, param_groups_, closure);
   struct Lists {
     std::vector<at::Tensor> params, grads, buffers;
     std::vector<int64_t> fresh;

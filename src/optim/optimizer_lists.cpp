@@ -3,6 +3,9 @@
 #include <stdexcept>
 #include <unordered_set>
 
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
 namespace fsdp::optim {
 
 namespace {
@@ -49,6 +52,46 @@ void check_unique(const char* optimizer, const std::vector<torch::optim::Optimiz
       }
     }
   }
+}
+
+namespace {
+void require(bool ok, const std::string& what, size_t group) {
+  if (!ok) throw std::invalid_argument("fsdp: " + what + " (parameter group " + std::to_string(group) + ")");
+}
+}  // namespace
+
+void check_adamw_options(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(groups[g].options());
+    const auto [b1, b2] = o.betas();
+    require(o.lr() >= 0, "FusedAdamW: invalid learning rate " + std::to_string(o.lr()), g);
+    require(o.eps() >= 0, "FusedAdamW: invalid epsilon " + std::to_string(o.eps()), g);
+    require(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1,
+            "FusedAdamW: betas must lie in [0, 1), got (" + std::to_string(b1) + ", " + std::to_string(b2) + ")", g);
+    require(o.weight_decay() >= 0, "FusedAdamW: invalid weight decay " + std::to_string(o.weight_decay()), g);
+  }
+}
+
+void check_sgd_options(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(groups[g].options());
+    require(o.lr() >= 0, "FusedSGD: invalid learning rate " + std::to_string(o.lr()), g);
+    require(o.momentum() >= 0, "FusedSGD: invalid momentum " + std::to_string(o.momentum()), g);
+    require(o.weight_decay() >= 0, "FusedSGD: invalid weight decay " + std::to_string(o.weight_decay()), g);
+    require(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
+            "FusedSGD: Nesterov momentum needs a momentum above 0 and zero dampening", g);
+  }
+}
+
+at::Tensor begin_step(const char* optimizer, const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                      const torch::optim::Optimizer::LossClosure& closure) {
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  check_unique(optimizer, groups);
+  return loss;
 }
 
 at::Tensor& kernel_ready(at::Tensor& state, const at::Tensor& param) {

@@ -26,6 +26,17 @@ void check_unique(const char* optimizer, const std::vector<torch::optim::Optimiz
 // (a checkpoint or a live replica's transfer may have set one that is not); converted in place.
 at::Tensor& kernel_ready(at::Tensor& state, const at::Tensor& param);
 
+// What libtorch's constructors refuse, refused alike: a negative learning rate, epsilon or weight
+// decay, betas outside [0, 1), SGD's negative momentum and Nesterov without momentum or with
+// dampening. Every group's options.
+void check_adamw_options(const std::vector<torch::optim::OptimizerParamGroup>& groups);
+void check_sgd_options(const std::vector<torch::optim::OptimizerParamGroup>& groups);
+
+// The start of a step, as libtorch's optimizers do it: the closure's loss (with gradients on), and
+// the parameters checked to be listed once.
+at::Tensor begin_step(const char* optimizer, const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                      const torch::optim::Optimizer::LossClosure& closure);
+
 // Parameters of one (dtype, device), in the order they were added.
 template <typename Lists>
 using Partitions = std::map<std::tuple<int, int, int>, Lists>;
