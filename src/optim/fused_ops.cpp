@@ -46,8 +46,8 @@ void check_lists(const char* op, const at::TensorList params, std::initializer_l
     }
     for (const auto& [name, list] : others) {
       const at::Tensor& t = list[i];
-      if (!t.defined()) continue;
       const std::string what = std::string("fsdp: ") + op + ": parameter " + std::to_string(i) + "'s " + name;
+      if (!t.defined()) throw std::invalid_argument(what + " is undefined");
       if (t.scalar_type() != p.scalar_type()) {
         throw std::invalid_argument(what + " is " + std::string(c10::toString(t.scalar_type())) + ", the parameter " +
                                     std::string(c10::toString(p.scalar_type())) + ": cast it to the parameter's dtype");
