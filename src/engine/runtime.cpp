@@ -1,5 +1,7 @@
 #include "engine/runtime.h"
 
+#include <c10/util/ScopeExit.h>
+
 #include "fsdp/tensor_parallel.h"
 
 #include <algorithm>
@@ -206,13 +208,7 @@ void Runtime::forward_ends(size_t u) {
 
 void Runtime::end_forward(bool ok) {
   touch::leave_forward();
-  struct ClosePhase {
-    Runtime& rt;
-    ~ClosePhase() {
-      if (rt.owns_forward_phase_) rt.close_phase(fsdp::StepPhase::FORWARD);
-      rt.owns_forward_phase_ = false;
-    }
-  } close_phase{*this};
+  const auto closes = c10::make_scope_exit([this] { close_owned_phase(owns_forward_phase_, fsdp::StepPhase::FORWARD); });
   // Its last operator has run; every unit deferred is freed below with the rest (or stays for
   // backward, as any unit of a strategy that does not reshard after forward).
   operator_units_.clear();
@@ -464,13 +460,7 @@ void Runtime::abort_backward() noexcept {
 }
 
 void Runtime::finish_backward() {
-  struct ClosePhase {
-    Runtime& rt;
-    ~ClosePhase() {
-      if (rt.owns_backward_phase_) rt.close_phase(fsdp::StepPhase::BACKWARD);
-      rt.owns_backward_phase_ = false;
-    }
-  } close_phase{*this};
+  const auto closes = c10::make_scope_exit([this] { close_owned_phase(owns_backward_phase_, fsdp::StepPhase::BACKWARD); });
   check_not_failed();
   touch::Suppress own_work;
   advance_reductions();

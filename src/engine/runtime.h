@@ -118,6 +118,11 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   // others (FullyShardedDataParallelBase::record_phase). open_phase is true when it opened.
   bool open_phase(StepPhase phase) { return phases_.open(phase, overlap_); }
   void close_phase(StepPhase phase) { phases_.close(phase, overlap_); }
+  // Closes `phase` if the root's pass opened it (`owned`), and forgets that it did.
+  void close_owned_phase(bool& owned, StepPhase phase) {
+    if (owned) close_phase(phase);
+    owned = false;
+  }
   const StepPhases& phases() const { return phases_.totals(); }
 
  private:
