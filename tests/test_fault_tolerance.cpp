@@ -224,7 +224,7 @@ TEST(FaultTolerance, AReplacementOfAnotherJobIsRefusedAndTheHealthyGroupTrainsOn
   ASSERT_EQ(want.size(), 4u) << planned.run.output;
   for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
            {"--block-size 64", "data is '/usr/share/common-licenses, global batch 8, block size 64' here"},
-           {"--lr 0.01", "optimizer is 'AdamW lr 0.01"}}) {
+           {"--lr 0.01", "optimizer is 'adamw lr 0.01"}}) {
     const HandRun h = live_job_by_hand(job, flags);
     for (const std::string r : {"againrank2", "againrank3"}) {
       EXPECT_NE(h.exit.at(r), 0) << flags << ": " << h.output.at(r);
