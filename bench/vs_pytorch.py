@@ -350,6 +350,7 @@ def parse_args():
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--world-sizes", default="", help="comma list, e.g. 2,4: every world size in one run (overrides --world-size)")
     p.add_argument("--model", default="default", help="GPT preset (see models/gpt.cpp)")
+    p.add_argument("--models", default="", help="comma list, e.g. default,medium: every preset in one run (overrides --model)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=1234)
@@ -382,6 +383,7 @@ def parse_args():
         p.error(f"--systems: unknown {bad}; choose from {','.join(SYSTEMS)}")
     args.systems = [s for s in SYSTEMS if s in systems]  # fixed order, ours first
     args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()] or [args.world_size]
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()] or [args.model]
     if any(args.global_batch_size % w for w in args.world_sizes):
         p.error("--global-batch-size must be a multiple of every world size")
     if args.steps <= args.warmup:
@@ -522,26 +524,28 @@ def main():
     args = parse_args()
     command = this_command_line(__file__)
     exit_code, md, summary = 0, [], []
-    for W in args.world_sizes:
-        code, lines, med, _ = run_world_size(args, W, command)
-        exit_code = max(exit_code, code)
-        md += lines
-        peers = [s for s in med if s != "ours"]
-        if "ours" in med and peers:
-            faster = min(peers, key=lambda s: med[s])
-            summary.append((W, faster, med["ours"] / med[faster]))
-        print(flush=True)
+    for model in args.models:
+        args.model = model
+        for W in args.world_sizes:
+            code, lines, med, _ = run_world_size(args, W, command)
+            exit_code = max(exit_code, code)
+            md += lines
+            peers = [s for s in med if s != "ours"]
+            if "ours" in med and peers:
+                faster = min(peers, key=lambda s: med[s])
+                summary.append((model, W, faster, med["ours"] / med[faster]))
+            print(flush=True)
     if summary:
         print("ours / the faster peer (median step, medians of the repeats; goal 0.75):")
-        for W, peer, ratio in summary:
-            print(f"  W={W}: {ratio:.2f} (faster peer: {LABELS[peer]})")
+        for model, W, peer, ratio in summary:
+            print(f"  {model}, W={W}: {ratio:.2f} (faster peer: {LABELS[peer]})")
     if args.markdown:
         print(f"\n```bash\n{command}\n```\n")
         print("\n".join(md))
         if summary:
-            print("| W | ours / faster peer | faster peer |\n|---|---|---|")
-            for W, peer, ratio in summary:
-                print(f"| {W} | {ratio:.2f} | {LABELS[peer]} |")
+            print("| model | W | ours / faster peer | faster peer |\n|---|---|---|---|")
+            for model, W, peer, ratio in summary:
+                print(f"| {model} | {W} | {ratio:.2f} | {LABELS[peer]} |")
     return exit_code
 
 
