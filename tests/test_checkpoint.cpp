@@ -137,6 +137,39 @@ std::vector<ResumeCase> resume_cases() {
 INSTANTIATE_TEST_SUITE_P(Strategies, ResumeIsBitExact, testing::ValuesIn(resume_cases()),
                          [](const testing::TestParamInfo<ResumeCase>& i) { return i.param.name; });
 
+// Issue 39: the learning-rate schedule (--lr-schedule, --warmup-steps, --min-lr) is saved with the
+// checkpoint and continued by a resumed run, even one started without the flags: its rates and
+// losses are those of the uninterrupted run, bit for bit, and it says whose schedule it follows.
+TEST(Checkpoint, ALearningRateScheduleContinuesFromTheCheckpoint) {
+  const std::string dir = fresh_dir("lr-schedule");
+  const std::string schedule = " --lr 0.004 --lr-schedule cosine --warmup-steps 4 --min-lr 0.0004";
+  const auto whole = train(dir, "whole", "--nproc-per-node 2 --steps 20 --save-every 10 --save-dir " + dir + "/whole" + schedule);
+  ASSERT_EQ(whole.run.exit_code, 0) << whole.run.output;
+  std::map<int, double> lr;
+  for (const auto& r : whole.rows) {
+    if (!r.contains("event") && r["rank"] == 0) lr[r["step"].get<int>()] = r["lr"].get<double>();
+  }
+  ASSERT_EQ(lr.size(), 20u);
+  EXPECT_DOUBLE_EQ(lr[0], 0.001);  // warmup: 0.004 x 1/4, ...
+  EXPECT_DOUBLE_EQ(lr[3], 0.004);  // ... the peak at the warmup's last step
+  for (int s = 4; s < 19; ++s) EXPECT_GT(lr[s], lr[s + 1]) << "the cosine decays at step " << s;
+  EXPECT_DOUBLE_EQ(lr[19], 0.0004);  // the floor at the last step
+  // Resumed with --lr 0.004 alone: the checkpoint's schedule goes on.
+  const auto resumed = train(dir, "resumed", "--nproc-per-node 2 --steps 20 --lr 0.004 --resume " + step_dir(dir + "/whole", 10));
+  ASSERT_EQ(resumed.run.exit_code, 0) << resumed.run.output;
+  EXPECT_NE(resumed.run.output.find("the checkpoint's learning-rate schedule continues (cosine from 0.004 to 0.0004 over 20 "
+                                    "steps, 4 of warmup)"),
+            std::string::npos)
+      << resumed.run.output;
+  const auto a = whole.losses(), b = resumed.losses();
+  ASSERT_EQ(b.size(), 20u);  // steps 10 to 19 on 2 ranks
+  for (const auto& [key, loss] : b) EXPECT_EQ(loss, a.at(key)) << "step " << key.first << " rank " << key.second;
+  for (const auto& r : resumed.rows) {
+    if (!r.contains("event") && r["rank"] == 0) EXPECT_EQ(r["lr"].get<double>(), lr[r["step"].get<int>()]);
+  }
+  fsdp_test::sh("rm -rf " + dir);
+}
+
 // Saved at W = 4 full_shard, resumed at W = 1, 2, 3 and hybrid F = 2: the losses follow the
 // uninterrupted W = 4 run within 1e-5 (only the order of summation differs).
 TEST(Checkpoint, ReshardsOntoOtherWorldSizesAndStrategies) {

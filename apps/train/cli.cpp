@@ -31,7 +31,14 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--n-kv-head", c.n_kv_head, "GPT: grouped-query attention with this many key/value heads, each shared "
                  "by n_head / N query heads (default: as many as query heads); under --tp, a TP size that divides N splits "
                  "them, one that N divides replicates them")->check(CLI::NonNegativeNumber);
-  app.add_option("--lr", c.lr, "AdamW learning rate");
+  app.add_option("--lr", c.lr, "AdamW learning rate (the peak of --lr-schedule)");
+  app.add_option("--lr-schedule", c.lr_schedule, "constant, or after --warmup-steps a linear or cosine decay from --lr to "
+                 "--min-lr at the last step; a checkpoint saves the schedule and a resumed run continues it")
+      ->check(CLI::IsMember({"constant", "linear", "cosine"}));
+  app.add_option("--warmup-steps", c.warmup_steps, "raise the learning rate linearly from --lr/N to --lr over the first N steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--min-lr", c.min_lr, "the learning rate a linear or cosine --lr-schedule ends at")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--optimizer", c.optimizer, "adamw: fsdp::FusedAdamW, one vectorized pass over each shard (moments bit "
                  "for bit libtorch's; parameters within a rounding per step: docs/performance.md); adamw-libtorch: "
                  "torch::optim::AdamW, operator by operator. Checkpoints of either load into the other.")

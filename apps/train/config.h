@@ -26,6 +26,9 @@ struct Config {
   int64_t n_kv_head = 0;
   int64_t vocab_size = 0;  // GPT: the embedding's rows (0: the preset's, or the corpus's if more)   // GPT: grouped-query attention's key/value heads (0: the preset's, n_head)
   double lr = 2e-3;
+  std::string lr_schedule = "constant";  // or linear / cosine (lr_schedule.h)
+  int warmup_steps = 0;
+  double min_lr = 0.0;
   double weight_decay = 0.1;
   std::string optimizer = "adamw";  // adamw: fsdp::FusedAdamW; adamw-libtorch: torch::optim::AdamW
   double clip = 1.0;

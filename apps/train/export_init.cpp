@@ -18,6 +18,10 @@ int export_init(const Config& c) {
     throw std::invalid_argument("--export-init writes the GPT's initial weights for bench/vs_pytorch.py; --model " +
                                 c.model + " has no Python counterpart there");
   }
+  if (c.lr_schedule != "constant" || c.warmup_steps > 0) {
+    throw std::invalid_argument("--export-init: bench/vs_pytorch.py trains its peers at a constant --lr; drop --lr-schedule "
+                                "and --warmup-steps");
+  }
   fs::create_directories(c.export_init);
   auto data = models::TokenSource::from_path(c.data);
   const auto cfg = model_config(c, data);

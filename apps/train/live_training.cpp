@@ -8,7 +8,7 @@
 #include <iostream>
 #include <thread>
 
-#include <sstream>
+#include "lr_schedule.h"
 
 namespace train {
 namespace {
@@ -58,15 +58,10 @@ std::unique_ptr<LiveTraining> LiveTraining::connect(const Config& c, const fsdp:
 }
 
 void LiveTraining::declare_identity(const torch::nn::Module& model, const std::string& workload) {
-  auto exact = [](double v) {
-    std::ostringstream s;
-    s.precision(17);
-    s << v;
-    return s.str();
-  };
   live_->declare_identity({
       {"model", workload + ", " + fsdp::parameters_identity(model)},
-      {"optimizer", c_.optimizer + " lr " + exact(c_.lr) + " weight decay " + exact(c_.weight_decay) + " clip " + exact(c_.clip)},
+      {"optimizer", c_.optimizer + " lr " + lr_schedule_of(c_).describe() +
+                        " weight decay " + exact_text(c_.weight_decay) + " clip " + exact_text(c_.clip)},
       {"strategy", c_.strategy + " mixed precision " + c_.mixed_precision},
       {"data", c_.data + ", global batch " + std::to_string(c_.global_batch) + ", block size " +
                    std::to_string(c_.block_size)},

@@ -17,6 +17,7 @@
 #include "fsdp/live_manager.h"
 #include "fsdp/launch.h"
 #include "live_training.h"
+#include "lr_schedule.h"
 #include "run_folder.h"
 
 int main(int argc, char** argv) {
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   if (auto code = train::parse_cli(argc, argv, c)) return *code;
   try {
     if (!c.export_init.empty()) return train::export_init(c);
+    train::lr_schedule_of(c);  // its flags refused here, once, before any rank starts
     if (c.plan) {
       if (c.plan_world <= 0) c.plan_world = std::max(1, c.nproc);
       return train::plan(c);

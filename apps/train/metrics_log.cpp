@@ -36,7 +36,7 @@ void JsonlWriter::write(const nlohmann::json& j) {
 
 nlohmann::json to_json(const StepRecord& r) {
   const fsdp::Metrics& m = r.metrics;
-  nlohmann::json j = {{"rank", r.rank}, {"step", r.step}, {"time", r.time}, {"loss", r.loss}, {"grad_norm", r.grad_norm}, {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
+  nlohmann::json j = {{"rank", r.rank}, {"step", r.step}, {"time", r.time}, {"loss", r.loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
           {"param_bytes_resident", m.memory.sharded_params},
           {"grad_bytes_resident", m.memory.sharded_grads},
           {"peak_unsharded_bytes", m.memory.unsharded_peak},
@@ -84,8 +84,8 @@ nlohmann::json to_json(const StepRecord& r) {
 std::string progress_line(const StepRecord& r, bool sharded, bool cuda, const char* unit) {
   const fsdp::Metrics& m = r.metrics;
   char head[256];
-  std::snprintf(head, sizeof(head), "step %4d | loss %.4f | %8.0f %s/s | %7.1f ms", r.step, r.loss, r.tokens_per_s,
-                unit, r.step_ms);
+  std::snprintf(head, sizeof(head), "step %4d | loss %.4f | lr %.3g | %8.0f %s/s | %7.1f ms", r.step, r.loss, r.lr,
+                r.tokens_per_s, unit, r.step_ms);
   std::string line = std::string(head) + " | params " + mb(m.memory.sharded_params) + " resident, peak unsharded " +
                      mb(m.memory.unsharded_peak) + " | comm AG " + mb(m.comm.all_gather) + " RS " +
                      mb(m.comm.reduce_scatter) + " AR " + mb(m.comm.all_reduce);

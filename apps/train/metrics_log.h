@@ -28,6 +28,7 @@ struct StepRecord {
   double time = 0;  // when the step ended (seconds since the Unix epoch): progress over wall time
   double loss = 0, step_ms = 0, tokens_per_s = 0;
   double grad_norm = -1;  // the global norm before clipping (-1: --clip 0)
+  double lr = 0;          // the learning rate this step stepped at (--lr-schedule)
   fsdp::Metrics metrics;
   nlohmann::json memory;  // what the process held after each phase (memory_log.h)
   nlohmann::json links;   // what this host's network links carried through the step (link_counters.h)

@@ -24,6 +24,7 @@
 #include "link_counters.h"
 #include "fsdp/live_manager.h"
 #include "live_training.h"
+#include "lr_schedule.h"
 #include "memory_log.h"
 #include "metrics_log.h"
 #include "run_folder.h"
@@ -139,6 +140,8 @@ std::string megabytes(int64_t bytes) {
 
 int train(const Config& c) {
   fsdp::install_host_allocator();  // before anything is allocated: every CPU tensor counts
+  // The learning rate of every step; a resumed run continues the checkpoint's (below).
+  LrSchedule schedule = lr_schedule_of(c);  // validated before any rank connects
   const bool simulated = c.simulate_rank >= 0;
   // --live-replicas: each replica group is an fsdp job of its own (`world` is its F ranks) and the
   // groups average once per step in rounds a coordinator decides (live_training.h).
@@ -378,6 +381,15 @@ int train(const Config& c) {
     const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
     start_step = static_cast<int>(resumed.step);
     const auto saved = nlohmann::json::parse(resumed.user_json);
+    if (saved.contains("lr_schedule")) {  // checkpoints from before the schedule ran at a constant --lr
+      const LrSchedule from_checkpoint = LrSchedule::from_json(saved["lr_schedule"]);
+      if (!(from_checkpoint == schedule) && prints) {
+        std::cout << "fsdp-train: note: the checkpoint's learning-rate schedule continues (" << from_checkpoint.describe()
+                  << "), not the flags' (" << schedule.describe() << "); to train on with another, start a new run "
+                  << "from its weights (--load-weights)" << std::endl;
+      }
+      schedule = from_checkpoint;
+    }
     if (saved.value("seed", c.seed) != c.seed && prints) {
       std::cout << "fsdp-train: note: the checkpoint was trained with --seed " << saved["seed"]
                 << "; batches from step " << start_step << " on follow --seed " << c.seed << std::endl;
@@ -508,7 +520,7 @@ int train(const Config& c) {
       continue;
     }
     mark("step");
-    double grad_norm = -1.0;
+    double grad_norm = -1.0, r_lr = 0.0;
     {
       auto timed = trainee->phase(fsdp::StepPhase::CLIP);
       if (scaler) scaler->unscale_(*optim.adamw);
@@ -516,6 +528,8 @@ int train(const Config& c) {
     }
     {
       auto timed = trainee->phase(fsdp::StepPhase::OPTIMIZER);
+      r_lr = schedule.at(step);
+      set_learning_rate(*optim.adamw, r_lr);
       if (scaler) {
         if (!scaler->step(*optim.adamw) && prints) std::cout << "step " << step << ": gradients overflowed, step skipped" << std::endl;
         scaler->update();
@@ -541,6 +555,7 @@ int train(const Config& c) {
     r.step = step;
     r.loss = mean_loss;
     r.grad_norm = grad_norm;
+    r.lr = r_lr;
     r.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     r.time = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     r.tokens_per_s = tokens_per_step / (r.step_ms / 1000.0);
@@ -579,7 +594,7 @@ int train(const Config& c) {
       // The batches are a function of the step, so the step is the data position.
       const auto s0 = std::chrono::steady_clock::now();
       const fsdp::HostMemoryPeak save_peak;  // what the save allocates (FULL: one unit at a time)
-      const nlohmann::json training = {{"data_position", step + 1}, {"seed", c.seed}};
+      const nlohmann::json training = {{"data_position", step + 1}, {"seed", c.seed}, {"lr_schedule", schedule.to_json()}};
       const std::string where = checkpointer->save(*wrapped, optim.adamw.get(), {step + 1, training.dump()}, scaler_ptr);
       last_checkpoint = where;
       const double stall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
