@@ -206,7 +206,7 @@ TEST(Overlap, TrainingTraceHoldsEveryUnitAndCollective) {
 // inside that phase's span add up to (the counter checked against what the timeline measured).
 TEST(Overlap, PhasesAreTheTracesAndTheirExposedWaits) {
   const std::string dir = fsdp_test::temp_prefix("phases");
-  const std::string metrics = dir + "-metrics.jsonl";
+  const std::string metrics = dir + "-metrics/a/folder/not/made/yet.jsonl";  // fsdp-train makes it
   auto run = fsdp_test::sh(fsdp_test::fsdp_train() + " --nproc-per-node 2 --model tiny --steps 3 --trace " + dir +
                            " --trace-step 1 --metrics-jsonl " + metrics);
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -223,6 +223,7 @@ TEST(Overlap, PhasesAreTheTracesAndTheirExposedWaits) {
       const double exposed = ph[p]["exposed_all_gather_ms"].get<double>() + ph[p]["exposed_reduce_ms"].get<double>() +
                              ph[p]["rate_limiter_wait_ms"].get<double>();
       EXPECT_GT(ms, 0.0) << p;
+      EXPECT_EQ(ph[p]["count"], 1) << p;
       EXPECT_LE(exposed, ms + 1e-6) << p;
       sum += ms;
       exposed_sum += exposed;
@@ -264,7 +265,35 @@ TEST(Overlap, PhasesAreTheTracesAndTheirExposedWaits) {
       EXPECT_NEAR(waited_us / 1000.0, exposed, 0.05 + 0.05 * exposed) << p << " on rank " << r;
     }
   }
-  std::system(("rm -rf " + dir + " " + metrics).c_str());
+  std::system(("rm -rf " + dir + " " + dir + "-metrics").c_str());
 }
 
 }  // namespace
+
+// A user's own loop marking the optimizer (record_phase), and what the outside review of issue 38
+// broke: a StepPhase out of range was accepted (it swallowed every other phase, then corrupted
+// memory), reset_step() inside an open phase carried the time before the reset into the new step,
+// and a scope kept past its model wrote into the freed model (seen by scripts/sanitize).
+TEST(Overlap, PhasesOfAUsersLoopAndTheirMisuses) {
+  const std::string out = fsdp_test::temp_prefix("phases-api");
+  auto run = fsdp_test::sh(fsdp_test::worker() + " phases --nproc-per-node 2 --out " + out);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (int r = 0; r < 2; ++r) {
+    const json j = fsdp_test::read_json(out + "." + std::to_string(r) + ".json");
+    std::remove((out + "." + std::to_string(r) + ".json").c_str());
+    double sum = 0;
+    for (const std::string p : {"forward", "backward", "clip", "optimizer"}) {
+      EXPECT_EQ(j["step"][p]["count"], 1) << p << " rank " << r;
+      EXPECT_GT(j["step"][p]["ms"].get<double>(), 0.0) << p << " rank " << r;
+      sum += j["step"][p]["ms"].get<double>();
+    }
+    EXPECT_LE(sum, j["step_ms"].get<double>()) << "the phases lie inside the step, rank " << r;
+    EXPECT_NE(j["out_of_range"].get<std::string>().find("record_phase(7): not a StepPhase; use StepPhase::FORWARD"),
+              std::string::npos)
+        << j["out_of_range"];
+    // 300 ms before the reset, 5 after: the new step holds the 5.
+    EXPECT_EQ(j["after_reset"]["optimizer"]["count"], 1);
+    EXPECT_LT(j["after_reset"]["optimizer"]["ms"].get<double>(), 150.0) << "time from before reset_step() leaked in";
+    EXPECT_TRUE(j["outlived"].get<bool>());
+  }
+}

@@ -18,6 +18,7 @@
 #include "fsdp/launch.h"
 #include "live_training.h"
 #include "lr_schedule.h"
+#include "metrics_log.h"
 #include "run_folder.h"
 
 int main(int argc, char** argv) {
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   try {
     if (!c.export_init.empty()) return train::export_init(c);
     train::lr_schedule_of(c);  // its flags refused here, once, before any rank starts
+    train::make_metrics_folder(c.metrics_jsonl);
     if (c.plan) {
       if (c.plan_world <= 0) c.plan_world = std::max(1, c.nproc);
       return train::plan(c);

@@ -3,7 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <stdexcept>
 
 namespace train {
@@ -16,10 +19,24 @@ std::string mb(int64_t bytes) {
 double ms_of(int64_t ns) { return static_cast<double>(ns) / 1e6; }
 }  // namespace
 
+void make_metrics_folder(const std::string& path) {
+  if (path.empty()) return;
+  const std::filesystem::path folder = std::filesystem::path(path).parent_path();
+  std::error_code error;
+  if (!folder.empty()) std::filesystem::create_directories(folder, error);
+  if (error) {
+    throw std::invalid_argument("--metrics-jsonl " + path + ": cannot create its folder " + folder.string() + " (" +
+                                error.message() + "); name a file in a folder you can write");
+  }
+}
+
 JsonlWriter::JsonlWriter(const std::string& path) {
   if (path.empty()) return;
+  make_metrics_folder(path);
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  if (fd_ < 0) throw std::runtime_error("cannot open --metrics-jsonl file '" + path + "' for appending");
+  if (fd_ < 0) {
+    throw std::runtime_error("cannot open --metrics-jsonl file '" + path + "' for appending: " + std::strerror(errno));
+  }
 }
 
 JsonlWriter::~JsonlWriter() {
@@ -65,7 +82,8 @@ nlohmann::json to_json(const StepRecord& r) {
     const fsdp::PhaseTime& t = m.phases.phase[i];
     phases[fsdp::to_string(static_cast<fsdp::StepPhase>(i))] = {
         {"ms", ms_of(t.wall_ns)}, {"exposed_all_gather_ms", ms_of(t.exposed_all_gather_ns)},
-        {"exposed_reduce_ms", ms_of(t.exposed_reduce_ns)}, {"rate_limiter_wait_ms", ms_of(t.rate_limiter_wait_ns)}};
+        {"exposed_reduce_ms", ms_of(t.exposed_reduce_ns)}, {"rate_limiter_wait_ms", ms_of(t.rate_limiter_wait_ns)},
+        {"count", t.count}};  // --grad-accum K: K forwards and backwards, their times summed
   }
   phases["rest_ms"] = r.step_ms - ms_of(m.phases.wall_ns());
   j["phases"] = std::move(phases);

@@ -10,7 +10,11 @@
 
 namespace train {
 
-// One JSON line per write() on an O_APPEND descriptor: ranks can share the file.
+// Creates --metrics-jsonl's folder if it is missing; throws std::invalid_argument naming why it cannot.
+void make_metrics_folder(const std::string& path);
+
+// One JSON line per write() on an O_APPEND descriptor: ranks can share the file, and a second run
+// to the same file adds to it.
 class JsonlWriter {
  public:
   explicit JsonlWriter(const std::string& path);  // "" writes nothing

@@ -521,7 +521,7 @@ int train(const Config& c) {
     }
     mark("step");
     double grad_norm = -1.0, r_lr = 0.0;
-    {
+    if (scaler || c.clip > 0) {  // --clip 0 without a scaler: no clip phase at all
       auto timed = trainee->phase(fsdp::StepPhase::CLIP);
       if (scaler) scaler->unscale_(*optim.adamw);
       if (c.clip > 0) grad_norm = trainee->clip_grad_norm(c.clip, workload->model_parallel_parameters(*model));

@@ -272,7 +272,12 @@ class FullyShardedDataParallelBase {
   // marks the root's forward, its backward and clip_grad_norm_ itself; mark the optimizer step:
   //   { auto timed = model.record_phase(fsdp::StepPhase::OPTIMIZER); optimizer.step(); }
   // and, to count the loss's own backward before the root's graph too, loss.backward() as
-  // BACKWARD. Phases do not nest: inside an open phase another is not counted.
+  // BACKWARD. Phases do not nest: inside an open phase another is not counted. The phases belong to
+  // this wrapped model, not to a thread: open them on the thread that trains it (a phase another
+  // thread holds open swallows the ones fsdp marks meanwhile). Exposed communication is what
+  // Metrics::overlap counts (all-gathers, reductions, the rate limiter): clip_grad_norm_'s own norm
+  // all-reduce is in CLIP's wall time but not in its exposed figures, and waits outside every phase
+  // (summon_full_params, unshard) are in overlap only. A scope that outlives the model closes nothing.
   class PhaseScope {
    public:
     ~PhaseScope();
@@ -283,8 +288,9 @@ class FullyShardedDataParallelBase {
 
    private:
     friend class FullyShardedDataParallelBase;
-    PhaseScope(detail::ShardedRoot* root, StepPhase phase, bool opened) : root_(root), phase_(phase), opened_(opened) {}
-    detail::ShardedRoot* root_;
+    PhaseScope(std::weak_ptr<detail::ShardedRoot> root, StepPhase phase, bool opened)
+        : root_(std::move(root)), phase_(phase), opened_(opened) {}
+    std::weak_ptr<detail::ShardedRoot> root_;
     StepPhase phase_;
     bool opened_;
   };

@@ -81,7 +81,9 @@ struct QuantizationStats {
 };
 
 // The phases of a training step (issue 38), Metrics::phases. fsdp marks FORWARD (the root's forward), BACKWARD (from
-// backward reaching the root's graph to the end of its reductions) and CLIP (clip_grad_norm_)
+// backward reaching the root's graph to the end of its reductions, which wait for the end of the
+// whole backward pass: a wrapped model whose output feeds another's counts that one's backward too)
+// and CLIP (clip_grad_norm_)
 // itself; the loop marks OPTIMIZER, and may mark BACKWARD around loss.backward() to include what runs
 // before the root's graph (FullyShardedDataParallelBase::record_phase). Phases do not nest: one
 // opened inside another is not counted separately.

@@ -39,7 +39,12 @@ void StepPhaseClock::close(StepPhase phase, const OverlapStats& now) {
 
 void StepPhaseClock::reset() {
   totals_ = StepPhases{};
-  if (open_) open_->at_begin = OverlapStats{};
+  // A phase open across reset_step() counts in the new step from the reset on: what ran before
+  // belongs to the step that ended (the counters and the timeline start again too).
+  if (open_) {
+    open_->begin_ns = Timeline::now_ns();
+    open_->at_begin = OverlapStats{};
+  }
 }
 
 }  // namespace fsdp

@@ -19,7 +19,7 @@ class StepPhaseClock {
   // Closes the open phase if it is `phase`.
   void close(StepPhase phase, const OverlapStats& now);
   const StepPhases& totals() const { return totals_; }
-  // reset_step(): totals start again; an open phase counts from the (reset) counters on.
+  // reset_step(): totals start again; an open phase counts from now and the (reset) counters on.
   void reset();
 
  private:

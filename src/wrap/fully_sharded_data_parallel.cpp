@@ -76,14 +76,19 @@ double FullyShardedDataParallelBase::clip_grad_norm_(double max_norm, const std:
   return root_->clip_grad_norm(max_norm, model_parallel);
 }
 FullyShardedDataParallelBase::PhaseScope FullyShardedDataParallelBase::record_phase(StepPhase phase) {
-  return PhaseScope(root_.get(), phase, root_->runtime().open_phase(phase));
+  const int p = static_cast<int>(phase);
+  TORCH_CHECK(p >= 0 && p < kNumStepPhases, "fsdp: record_phase(", p, "): not a StepPhase; use StepPhase::FORWARD, ",
+              "BACKWARD, CLIP or OPTIMIZER");
+  return PhaseScope(root_, phase, root_->runtime().open_phase(phase));
 }
 FullyShardedDataParallelBase::PhaseScope::PhaseScope(PhaseScope&& other) noexcept
-    : root_(other.root_), phase_(other.phase_), opened_(other.opened_) {
+    : root_(std::move(other.root_)), phase_(other.phase_), opened_(other.opened_) {
   other.opened_ = false;
 }
 FullyShardedDataParallelBase::PhaseScope::~PhaseScope() {
-  if (opened_) root_->runtime().close_phase(phase_);
+  // The model may be gone (a scope kept past it): then there is nothing to close.
+  if (!opened_) return;
+  if (const auto root = root_.lock()) root->runtime().close_phase(phase_);
 }
 
 Metrics FullyShardedDataParallelBase::metrics() const { return root_->metrics(); }

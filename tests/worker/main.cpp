@@ -18,7 +18,7 @@ const std::map<std::string, Mode>& modes() {
       {"summon", run_summon},       {"checkpoint", run_checkpoint},
       {"recompute", run_recompute}, {"holes", run_holes},
       {"checkpoint_hostile", run_checkpoint_hostile}, {"checkpoint_ignored", run_checkpoint_ignored},
-      {"wire", run_wire},
+      {"wire", run_wire},           {"phases", run_phases},
       {"tensor_parallel", run_tensor_parallel},
   };
   return table;

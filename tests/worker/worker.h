@@ -129,6 +129,7 @@ json run_parity(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_accounting(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_structure(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_overlap(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
+json run_phases(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_dynamic(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_precision(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_scaler(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
