@@ -34,9 +34,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ("ours", "fsdp2", "fsdp1")
+SYSTEMS = ("ours", "fsdp2", "fsdp1", "ours-local", "local")
+# The floors (--floors): every rank trains the plain model on its own slice at the same time, with
+# the same thread budget, without sharding or averaging gradients: the compute each system's FSDP
+# adds its overhead to, with the cores shared as in the FSDP runs. Their losses are not the
+# others' (no gradient averaging), and they are no peers.
+FLOORS = ("ours-local", "local")
 MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
-LABELS = {"ours": "ours (fsdp-train)", "fsdp2": "PyTorch FSDP2", "fsdp1": "PyTorch FSDP1"}
+LABELS = {"ours": "ours (fsdp-train)", "fsdp2": "PyTorch FSDP2", "fsdp1": "PyTorch FSDP1",
+          "ours-local": "libtorch, no fsdp", "local": "PyTorch, no FSDP"}
 PHASES = ("forward", "backward", "clip", "optimizer", "rest")
 
 
@@ -216,6 +222,8 @@ def train(system, rank, W, export_dir, dev, adamw_impl, mixed):
         wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), **mp,
                        sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
                        device_id=dev)
+    elif system == "local":
+        wrapped = model  # the floor: this rank's slice, no sharding, no gradient averaging
     else:
         raise ValueError(system)
 
@@ -248,7 +256,7 @@ def train(system, rank, W, export_dir, dev, adamw_impl, mixed):
         if cfg["clip"] > 0:
             if system == "fsdp1":
                 wrapped.clip_grad_norm_(cfg["clip"])
-            else:  # DTensor gradients: the norm's reduction runs over the mesh
+            else:  # DTensor gradients: the norm's reduction runs over the mesh (local: plain tensors)
                 torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg["clip"])
         sync()
         t4 = time.perf_counter()
@@ -309,6 +317,26 @@ def export_init(args, export_dir):
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
+def run_ours_local(args, workdir, run_index):
+    """The libtorch floor: W processes of fsdp-train --local at once, each on a per-rank batch with
+    one rank's thread budget. Rank 0's JSONL (the first process) is the result."""
+    W = args.world_size
+    procs, metrics = [], []
+    for r in range(W):
+        m = os.path.join(workdir, f"ours-local-{run_index}-{r}.jsonl")
+        metrics.append(m)
+        flags = common_train_flags(args)
+        flags[flags.index("--global-batch-size") + 1] = str(args.global_batch_size // W)
+        cmd = ([args.fsdp_train, "--local", "--threads", str(max(1, (os.cpu_count() or 1) // W)), "--metrics-jsonl", m,
+                "--log-every", "1000", "--run-dir", "none", "--sample-tokens", "0"] + flags)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate()[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        if p.returncode != 0:
+            return None, f"fsdp-train --local exit {p.returncode}", out
+    return rows_of(args, metrics[0])
+
+
 def run_ours(args, workdir, run_index):
     metrics = os.path.join(workdir, f"ours-{run_index}.jsonl")
     cmd = ([args.fsdp_train, "--nproc-per-node", str(args.world_size), "--strategy", "full_shard",
@@ -325,8 +353,13 @@ def run_ours(args, workdir, run_index):
         lines = [l for l in proc.stdout.strip().splitlines() if not l.lstrip().startswith("frame #")]
         said = [l for l in lines if "error" in l.lower()]
         return None, f"exit {proc.returncode}: " + (said or lines or [""])[0], "\n".join(lines)
+    return rows_of(args, metrics)
+
+
+def rows_of(args, metrics):
+    """Rank 0's steps of an fsdp-train JSONL: losses, step times and phases."""
     rows = [json.loads(line) for line in open(metrics) if line.strip()]
-    rows = sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["step"])
+    rows = sorted((r for r in rows if r["rank"] == 0 and "step_ms" in r), key=lambda r: r["step"])
     if [r["step"] for r in rows] != list(range(args.steps)):
         return None, f"{metrics} has rank 0 steps {[r['step'] for r in rows]}, not 0..{args.steps - 1}", ""
     def phases_of(r):
@@ -361,7 +394,9 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     p.add_argument("--repeats", type=int, default=3,
                    help="run the systems alternately this many times; report the median of medians")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list, subset of ours,fsdp2,fsdp1")
+    p.add_argument("--systems", default="ours,fsdp2,fsdp1", help="comma list, subset of " + ",".join(SYSTEMS))
+    p.add_argument("--floors", action="store_true",
+                   help="add the floors: " + " and ".join(LABELS[f] for f in FLOORS) + ", every rank its own slice")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: NCCL, one GPU per rank (UNTESTED)")
     p.add_argument("--ours-args", default="",
@@ -377,7 +412,7 @@ def parse_args():
     p.add_argument("--show-steps", type=int, default=5, help="loss table and max |Δloss| over this many steps")
     p.add_argument("--markdown", action="store_true", help="also print a table for docs/performance.md")
     args = p.parse_args()
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()] + (list(FLOORS) if args.floors else [])
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         p.error(f"--systems: unknown {bad}; choose from {','.join(SYSTEMS)}")
@@ -434,6 +469,8 @@ def run_world_size(args, W, command):
                 t0 = time.time()
                 if s == "ours":
                     res, err, detail = run_ours(args, workdir, r)
+                elif s == "ours-local":
+                    res, err, detail = run_ours_local(args, workdir, r)
                 else:
                     res, err, detail = run_pytorch(s, args, export_dir, workdir, r)
                 if err:
@@ -454,14 +491,15 @@ def run_world_size(args, W, command):
     exit_code = 0
     shown = min(args.show_steps, args.steps)
     if ok:
+        compared = [s for s in ok if s not in FLOORS]  # the floors train apart: other losses
         print(f"\nglobal loss per step (first {shown}):")
-        print("step  " + "".join(f"{LABELS[s]:>20s}" for s in ok))
+        print("step  " + "".join(f"{LABELS[s]:>20s}" for s in compared))
         for i in range(shown):
-            print(f"{i:4d}  " + "".join(f"{runs[s][0]['losses'][i]:20.7f}" for s in ok))
+            print(f"{i:4d}  " + "".join(f"{runs[s][0]['losses'][i]:20.7f}" for s in compared))
     deltas = {}
     if "ours" in ok:
         for s in ok:
-            if s == "ours":
+            if s == "ours" or s in FLOORS:
                 continue
             def max_delta(n):  # over all repeats; a NaN anywhere counts as infinitely far
                 d = [abs(a - b) for o, p in zip(runs["ours"], runs[s])
@@ -530,7 +568,7 @@ def main():
             code, lines, med, _ = run_world_size(args, W, command)
             exit_code = max(exit_code, code)
             md += lines
-            peers = [s for s in med if s != "ours"]
+            peers = [s for s in med if s != "ours" and s not in FLOORS]
             if "ours" in med and peers:
                 faster = min(peers, key=lambda s: med[s])
                 summary.append((model, W, faster, med["ours"] / med[faster]))

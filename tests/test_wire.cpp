@@ -81,6 +81,37 @@ TEST(Wire, HpzPerUnitKeepsSecondaryShardsOnlyWhereAsked) {
                             "are"), std::string::npos) << bad.output;
 }
 
+// Issue 38: the unit backward needs first (the last block) kept gathered after forward
+// (Options::keep_gathered_after_forward, FSDP2's reshard_after_forward=False on one module, as
+// torchtitan does): the same losses as full_shard bit for bit, with and without activation
+// checkpointing and under hybrid sharding; one block's all-gather fewer per step, the same gathered
+// peak (backward holds that block and the next anyway), and none of backward's exposed all-gather
+// wait is for it. Names that are no unit, a strategy that keeps every unit, and hpZ on the same
+// unit are refused by name.
+TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
+  for (const std::string extra : {" --strategy full_shard", " --strategy full_shard --activation-checkpointing",
+                                  " --strategy hybrid_shard --shard-size 2"}) {
+    const std::string common = "--model tiny --global-batch-size 12 --nproc-per-node 4" + extra;
+    const auto base = main_job(common, 4);
+    const auto kept = main_job(common + " --keep-gathered-after-forward blocks.1", 4);  // tiny: blocks.0, blocks.1
+    for (size_t s = 0; s < base.losses.size(); ++s) EXPECT_EQ(kept.losses[s], base.losses[s]) << extra << " step " << s;
+    auto ag = [](const fsdp_test::MainJob& j) { return j.last["comm_bytes"]["all_gather"].get<double>(); };
+    auto calls = [](const fsdp_test::MainJob& j) { return j.last["comm_calls"]["all_gather"].get<double>(); };
+    EXPECT_LT(ag(kept), ag(base)) << extra;
+    EXPECT_EQ(calls(kept), calls(base) - 1) << extra << ": one gather fewer (blocks.1's in backward)";
+    EXPECT_EQ(kept.last["peak_unsharded_bytes"], base.last["peak_unsharded_bytes"]) << extra;
+  }
+  const std::string tiny = fsdp_test::fsdp_train() + " --model tiny --steps 1 --nproc-per-node 2";
+  const auto bad = fsdp_test::sh(tiny + " --keep-gathered-after-forward block.1");
+  EXPECT_NE(bad.output.find("keep_gathered_after_forward names 'block.1', which is no unit of this model; its units are"),
+            std::string::npos) << bad.output;
+  const auto zero2 = fsdp_test::sh(tiny + " --strategy shard_grad_op --keep-gathered-after-forward blocks.1");
+  EXPECT_NE(zero2.output.find("which keeps every unit gathered after forward already"), std::string::npos) << zero2.output;
+  const auto hpz = fsdp_test::sh(tiny + " --reshard-after-forward-to-unit blocks.1=1 --keep-gathered-after-forward blocks.1");
+  EXPECT_NE(hpz.output.find("a unit kept whole needs no secondary shard"), std::string::npos) << hpz.output;
+  for (const auto* r : {&bad, &zero2, &hpz}) EXPECT_NE(r->exit_code, 0);
+}
+
 // A group that is not a divisor of F, or a strategy that keeps parameters after forward, is refused
 // by name before anything runs.
 TEST(Wire, HpzThatCannotWorkIsRefusedByName) {

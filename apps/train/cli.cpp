@@ -77,6 +77,11 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--reshard-after-forward-to-unit", c.reshard_after_forward_to_unit,
                  "UNIT=N: hpZ for one unit (its module path, e.g. blocks.0) instead of the default; N = 0 frees it "
                  "fully after forward; repeatable");
+  app.add_option("--keep-gathered-after-forward", c.keep_gathered_after_forward,
+                 "UNIT[,UNIT]: these units stay gathered from their forward to their backward (FSDP2's "
+                 "reshard_after_forward=False per module); the last block (blocks.3 of the default GPT) saves "
+                 "backward's first all-gather")
+      ->delimiter(',');
   app.add_flag_callback("--hpz", [&c] { c.reshard_after_forward_to = fsdp::Options::kRanksPerNode; },
                         "hpZ with N = the ranks per node: backward's all-gathers never cross hosts");
   app.add_option("--quantize-all-gather", c.quantize_all_gather,
@@ -239,6 +244,7 @@ fsdp::Options fsdp_options(const Config& c) {
     }
     opts.reshard_after_forward_to_by_unit[item.substr(0, eq)] = n;
   }
+  opts.keep_gathered_after_forward = c.keep_gathered_after_forward;
   opts.quantize_all_gather = fsdp::parse_all_gather_quantization(c.quantize_all_gather);
   opts.quantization_block = c.quantization_block;
   opts.sync_module_states = c.sync_module_states;

@@ -235,6 +235,14 @@ struct Options {
   // 0 frees it to its shard (no secondary shard: a large embedding whose 1/N would cost too much),
   // N or kRanksPerNode as above. A name that is no unit is refused with the units' names.
   std::map<std::string, int> reshard_after_forward_to_by_unit;
+  // Units, by module path, that stay gathered from their forward until their backward although the
+  // strategy reshards after forward (FSDP2's reshard_after_forward=False on one module). The unit
+  // backward needs first (a GPT's last block) is the one to name, as torchtitan does: resharding it
+  // only to gather it again as backward starts is an all-gather nothing can hide (measured in
+  // docs/performance.md). Costs that unit's gathered parameters from its forward to its backward;
+  // the memory plan counts them. Only with FULL_SHARD and HYBRID_SHARD, and not with hpZ for the
+  // same unit; a name that is no unit is refused with the units' names.
+  std::vector<std::string> keep_gathered_after_forward;
   AllGatherQuantization quantize_all_gather = AllGatherQuantization::NONE;
   // Elements per scale. 64: 300 steps of the default GPT end within 0.4 % of fp32 all-gathers
   // (256: 1.1 %) for 1/16 byte of scale per element (docs/performance.md, "Less on the wire").

@@ -70,13 +70,35 @@ int secondary_shard_size(const Options& options, const std::string& unit, int F,
   return resolve_secondary_size(options.reshard_after_forward_to, options, F, local_world_size, "reshard_after_forward_to");
 }
 
-void check_unit_names_for_hpz(const Options& options, const std::vector<std::string>& units) {
-  for (const auto& [name, n] : options.reshard_after_forward_to_by_unit) {
-    if (std::find(units.begin(), units.end(), name) != units.end()) continue;
+bool reshards_unit_after_forward(const Options& options, const std::string& unit) {
+  const auto& kept = options.keep_gathered_after_forward;
+  return reshards_after_forward(options.strategy) && std::find(kept.begin(), kept.end(), unit) == kept.end();
+}
+
+void check_per_unit_options(const Options& options, const std::vector<std::string>& units) {
+  auto check_name = [&](const std::string& option, const std::string& name) {
+    if (std::find(units.begin(), units.end(), name) != units.end()) return;
     std::string known;
     for (const auto& u : units) known += (known.empty() ? "'" : ", '") + u + "'";
-    throw std::invalid_argument("fsdp: reshard_after_forward_to_by_unit names '" + name +
-                                "', which is no unit of this model; its units are " + known);
+    throw std::invalid_argument("fsdp: " + option + " names '" + name + "', which is no unit of this model; its units are " +
+                                known);
+  };
+  for (const auto& [name, n] : options.reshard_after_forward_to_by_unit) check_name("reshard_after_forward_to_by_unit", name);
+  for (const auto& name : options.keep_gathered_after_forward) {
+    check_name("keep_gathered_after_forward", name);
+    if (!reshards_after_forward(options.strategy)) {
+      throw std::invalid_argument("fsdp: keep_gathered_after_forward names '" + name + "' under " +
+                                  to_string(options.strategy) + ", which keeps every unit gathered after forward "
+                                  "already: drop it, or use full_shard or hybrid_shard");
+    }
+    const auto hpz = options.reshard_after_forward_to_by_unit.find(name);
+    const int n = hpz != options.reshard_after_forward_to_by_unit.end() ? hpz->second : options.reshard_after_forward_to;
+    if (n != 0) {
+      throw std::invalid_argument("fsdp: keep_gathered_after_forward names '" + name + "', which hpZ also reshards "
+                                  "(to groups of " + std::to_string(n) + " ranks): a unit kept whole needs no secondary "
+                                  "shard; set reshard_after_forward_to_by_unit['" + name + "'] = 0 or drop it from "
+                                  "keep_gathered_after_forward");
+    }
   }
 }
 

@@ -53,9 +53,14 @@ bool reshards_after_forward(ShardingStrategy strategy);
 // std::invalid_argument naming what is wrong and what would work.
 int secondary_shard_size(const Options& options, const std::string& unit, int F, int local_world_size);
 
-// Refuses (std::invalid_argument) names in Options::reshard_after_forward_to_by_unit that are not
-// among `units`, listing them.
-void check_unit_names_for_hpz(const Options& options, const std::vector<std::string>& units);
+// Whether unit `unit` is freed to its shard after its forward: the strategy's rule, but for the
+// units Options::keep_gathered_after_forward names.
+bool reshards_unit_after_forward(const Options& options, const std::string& unit);
+
+// Refuses (std::invalid_argument) names in Options::reshard_after_forward_to_by_unit and
+// Options::keep_gathered_after_forward that are not among `units` (listing them), and units kept
+// gathered under a strategy that keeps every unit anyway or with hpZ for the same unit.
+void check_per_unit_options(const Options& options, const std::vector<std::string>& units);
 
 // Builds (collectively) the groups for the options' F on `mesh`, for tensors of `device`.
 MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType device);

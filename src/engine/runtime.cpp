@@ -40,11 +40,11 @@ struct BackwardEnd {
 
 }  // namespace
 
-Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& options, bool reshard_after_forward)
+Runtime::Runtime(std::vector<Unit*> units, CommContext& comm, const Options& options, std::vector<bool> reshard_after_forward)
     : units_(std::move(units)),
       comm_(comm),
       options_(options),
-      reshard_after_forward_(reshard_after_forward),
+      reshard_after_forward_(std::move(reshard_after_forward)),
       // On CUDA an all-gather stays in flight until the device has freed its buffer.
       limiter_(options.limit_all_gathers, /*device_frees=*/comm.streams().active()) {
   TORCH_CHECK(options_.prefetch_count >= 1, "fsdp: prefetch_count must be >= 1, got ", options_.prefetch_count);
@@ -230,7 +230,7 @@ void Runtime::end_forward(bool ok) {
   merge_pending_writes();
   for (size_t u = 0; u < units_.size(); ++u) {
     // Also frees forward prefetches that were not used (the guess from the last iteration was off).
-    if (!ok || (reshard_after_forward_ && u != root_unit_)) reshard(u, /*after_forward=*/ok);
+    if (!ok || (reshard_after_forward_[u] && u != root_unit_)) reshard(u, /*after_forward=*/ok);
   }
   // Units left gathered for backward: whatever touches them before it must ask first.
   {
@@ -318,7 +318,7 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
         if (current_unit_ && *current_unit_ != u && !units_[*current_unit_]->contains(*units_[u]) &&
             units_[*current_unit_]->state() == Unit::State::FORWARD) {
           forward_ends(*current_unit_);
-          if (reshard_after_forward_) {
+          if (reshard_after_forward_[*current_unit_]) {
             if (touched_by_operator(*current_unit_)) {
               deferred_reshards_.push_back(*current_unit_);
             } else {

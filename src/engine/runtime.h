@@ -75,7 +75,9 @@ struct Refusal : std::invalid_argument {
 class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_from_this<Runtime> {
  public:
   // `units` outlive the runtime.
-  Runtime(std::vector<Unit*> units, CommContext& comm, const Options& options, bool reshard_after_forward);
+  // reshard_after_forward: per unit, whether its forward frees it to its shard (the strategy's rule
+  // but for Options::keep_gathered_after_forward; the root never is).
+  Runtime(std::vector<Unit*> units, CommContext& comm, const Options& options, std::vector<bool> reshard_after_forward);
   ~Runtime() override;
   void install_hooks();  // needs shared_from_this, so called right after construction
 
@@ -201,7 +203,7 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   std::optional<size_t> root_unit_;
   CommContext& comm_;
   Options options_;
-  bool reshard_after_forward_;
+  std::vector<bool> reshard_after_forward_;  // per unit
 
   Phase phase_ = Phase::IDLE;
   bool no_sync_ = false;

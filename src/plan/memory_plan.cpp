@@ -34,7 +34,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   {
     std::vector<std::string> names;
     for (const auto& u : units) names.push_back(u.name);
-    check_unit_names_for_hpz(options, names);
+    check_per_unit_options(options, names);
   }
   IgnoredSet counted;  // a tied parameter once
   int64_t ignored_saved = 0;  // what a checkpoint holds of them: their values and Adam moments
@@ -48,7 +48,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   // What a gather in flight holds besides the unit's buffer: Gloo's staging copy of its output, or
   // with quantization the records (and their staging copy) instead, per non-root unit.
   std::vector<int64_t> nonroot_staging;
-  int64_t root_bytes = 0, all_unsharded = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0, root_compute_bytes = 0;
+  int64_t root_bytes = 0, all_unsharded = 0, kept_bytes = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0, root_compute_bytes = 0;
   int64_t largest_shard_reduce_bytes = 0;
   // Where the shards will live decides the backend, and with it what a reduce-scatter holds.
   c10::DeviceType device = options.init_device ? options.init_device->type() : c10::kCPU;
@@ -86,6 +86,8 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
     if (u.is_root) {
       root_bytes = gathered;
       root_compute_bytes = layout.numel() * static_cast<int64_t>(c10::elementSize(compute));
+    } else if (reshards_after_forward(options.strategy) && !reshards_unit_after_forward(options, u.name)) {
+      kept_bytes += gathered;  // keep_gathered_after_forward: held from its forward to its backward
     } else {
       nonroot_bytes.push_back(gathered);
       // What a backward prefetch holds besides the unit's buffer while it is in flight: on the CPU
@@ -119,9 +121,10 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
       const size_t ahead = static_cast<size_t>(options.prefetch_count);
       for (size_t i = 0; i < std::min(ahead, nonroot_staging.size()); ++i) plan.gather_staging += nonroot_staging[i];
     }
-    // Every unit's secondary shard is held when backward starts (an upper bound as it proceeds).
-    plan.peak_unsharded_params += plan.secondary_shards;
-    plan.head_unsharded_params += plan.secondary_shards;
+    // Every unit's secondary shard is held when backward starts (an upper bound as it proceeds),
+    // and so is every unit kept gathered after forward.
+    plan.peak_unsharded_params += plan.secondary_shards + kept_bytes;
+    plan.head_unsharded_params += plan.secondary_shards + kept_bytes;
   } else {
     plan.peak_unsharded_params = plan.head_unsharded_params = all_unsharded;
   }

@@ -36,7 +36,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   {
     std::vector<std::string> names;
     for (const auto& p : plans) names.push_back(p.name);
-    check_unit_names_for_hpz(options_, names);
+    check_per_unit_options(options_, names);
   }
 
   // A meta parameter with no recorded initialization cannot be materialized: a deferred_init
@@ -108,8 +108,10 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   }
   std::vector<std::string> names;
   std::vector<Unit*> units;
+  std::vector<bool> reshards;  // after forward, per unit
   for (size_t u = 0; u < plans.size(); ++u) {
     names.push_back(plans[u].name);
+    reshards.push_back(reshards_unit_after_forward(options_, plans[u].name));
     const std::string name = plans[u].name;
     units_.push_back(std::make_unique<Unit>(static_cast<int>(u), std::move(plans[u]), *comm_,
                                             options_.mixed_precision, options_.init_device));
@@ -119,7 +121,7 @@ ShardedRoot::ShardedRoot(std::shared_ptr<torch::nn::Module> module, std::shared_
   }
   comm_->set_unit_names(std::move(names));
   for (const auto& p : module_->parameters(true)) wrapped_params_.insert(p.unsafeGetTensorImpl());
-  runtime_ = std::make_shared<Runtime>(std::move(units), *comm_, options_, reshards_after_forward(options_.strategy));
+  runtime_ = std::make_shared<Runtime>(std::move(units), *comm_, options_, std::move(reshards));
   runtime_->install_hooks();
   // A model built whole has just been freed, but for its shards: give that memory back.
   if (device_.is_cpu()) release_free_memory();
