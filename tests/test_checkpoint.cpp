@@ -167,6 +167,21 @@ TEST(Checkpoint, ALearningRateScheduleContinuesFromTheCheckpoint) {
   for (const auto& r : resumed.rows) {
     if (!r.contains("event") && r["rank"] == 0) EXPECT_EQ(r["lr"].get<double>(), lr[r["step"].get<int>()]);
   }
+  // Resumed for longer than the schedule spans (the outside review: silently at a floor of 0
+  // before): said, and the extra steps run at the floor.
+  const auto longer = train(dir, "longer", "--nproc-per-node 2 --steps 24 --resume " + step_dir(dir + "/whole", 10));
+  ASSERT_EQ(longer.run.exit_code, 0) << longer.run.output;
+  EXPECT_NE(longer.run.output.find("steps 20 to 23 run at the schedule's floor, 0.0004 (its decay ended at step 19)"),
+            std::string::npos) << longer.run.output;
+  for (const auto& r : longer.rows) {
+    if (!r.contains("event") && r["step"].get<int>() >= 19) EXPECT_EQ(r["lr"].get<double>(), 0.0004) << r.dump();
+  }
+  // A schedule with no step left to decay over, or a warmup longer than the run, is refused.
+  const auto no_decay = train(dir, "no-decay", "--nproc-per-node 2 --steps 5 --warmup-steps 4 --lr-schedule cosine");
+  EXPECT_NE(no_decay.run.exit_code, 0);
+  EXPECT_NE(no_decay.run.output.find("give --steps 6 or more, or fewer --warmup-steps"), std::string::npos) << no_decay.run.output;
+  const auto long_warmup = train(dir, "long-warmup", "--nproc-per-node 2 --steps 5 --warmup-steps 9");
+  EXPECT_NE(long_warmup.run.output.find("--warmup-steps 9 is more than --steps 5"), std::string::npos) << long_warmup.run.output;
   fsdp_test::sh("rm -rf " + dir);
 }
 

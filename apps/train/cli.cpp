@@ -35,10 +35,8 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
   app.add_option("--lr-schedule", c.lr_schedule, "constant, or after --warmup-steps a linear or cosine decay from --lr to "
                  "--min-lr at the last step; a checkpoint saves the schedule and a resumed run continues it")
       ->check(CLI::IsMember({"constant", "linear", "cosine"}));
-  app.add_option("--warmup-steps", c.warmup_steps, "raise the learning rate linearly from --lr/N to --lr over the first N steps")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--min-lr", c.min_lr, "the learning rate a linear or cosine --lr-schedule ends at")
-      ->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup-steps", c.warmup_steps, "raise the learning rate linearly from --lr/N to --lr over the first N steps");
+  app.add_option("--min-lr", c.min_lr, "the learning rate a linear or cosine --lr-schedule ends at (default 0)");
   app.add_option("--optimizer", c.optimizer, "adamw: fsdp::FusedAdamW, one vectorized pass over each shard (moments bit "
                  "for bit libtorch's; parameters within a rounding per step: docs/performance.md); adamw-libtorch: "
                  "torch::optim::AdamW, operator by operator. Checkpoints of either load into the other.")

@@ -15,6 +15,7 @@ double LrSchedule::at(int step) const {
   // run with more --steps), the floor.
   const int span = std::max(1, horizon - warmup_steps - 1);
   const double progress = std::min(1.0, static_cast<double>(step - warmup_steps) / span);
+  if (progress >= 1.0) return min_lr;  // exactly the floor, not a rounding of it
   if (kind == "linear") return peak + (min_lr - peak) * progress;
   return min_lr + 0.5 * (peak - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
@@ -28,12 +29,21 @@ void LrSchedule::validate() const {
   }
   if (warmup_steps < 0) throw std::invalid_argument("--warmup-steps must be 0 or more");
   if (!(min_lr >= 0) || min_lr > peak) {
-    std::ostringstream s;
-    s << "--min-lr " << min_lr << ": the floor must be between 0 and --lr (" << peak << ")";
-    throw std::invalid_argument(s.str());
+    throw std::invalid_argument("--min-lr " + exact_text(min_lr) + ": the floor must be between 0 and --lr (" +
+                                exact_text(peak) + ")");
   }
   if (kind == "constant" && min_lr != 0) {
     throw std::invalid_argument("--min-lr is the floor a decay reaches: give --lr-schedule cosine or linear, or drop --min-lr");
+  }
+  if (horizon > 0 && warmup_steps > horizon) {
+    throw std::invalid_argument("--warmup-steps " + std::to_string(warmup_steps) + " is more than --steps " +
+                                std::to_string(horizon) + ": the rate would never reach --lr; warm up over fewer steps");
+  }
+  // The decay runs from --lr at the first step after warmup to --min-lr at the last: two steps at least.
+  if (kind != "constant" && horizon > 0 && horizon - warmup_steps < 2) {
+    throw std::invalid_argument("--lr-schedule " + kind + " decays from --lr at step " + std::to_string(warmup_steps) +
+                                " (after warmup) to --min-lr at the last step, " + std::to_string(horizon - 1) +
+                                ": give --steps " + std::to_string(warmup_steps + 2) + " or more, or fewer --warmup-steps");
   }
 }
 

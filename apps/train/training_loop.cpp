@@ -157,6 +157,10 @@ int train(const Config& c) {
   if (c.tp > 1 && (c.local || c.ddp_baseline)) {
     throw std::invalid_argument("--tp needs fsdp; drop " + std::string(c.local ? "--local" : "--ddp-baseline"));
   }
+  if (!c.keep_gathered_after_forward.empty() && (c.local || c.ddp_baseline)) {
+    throw std::invalid_argument("--keep-gathered-after-forward keeps fsdp units gathered; " +
+                                std::string(c.local ? "--local" : "--ddp-baseline") + " has none: drop one of the two");
+  }
   if (c.sequence_parallel && c.tp <= 1) {
     throw std::invalid_argument("--sequence-parallel splits the sequence over the TP ranks: add --tp N (N > 1)");
   }
@@ -389,6 +393,11 @@ int train(const Config& c) {
                   << "from its weights (--load-weights)" << std::endl;
       }
       schedule = from_checkpoint;
+      if (schedule.kind != "constant" && c.steps > schedule.horizon && prints) {
+        std::cout << "fsdp-train: note: steps " << schedule.horizon << " to " << c.steps - 1 << " run at the schedule's "
+                  << "floor, " << exact_text(schedule.min_lr) << " (its decay ended at step " << schedule.horizon - 1
+                  << "); to decay over a longer run, start a new run from these weights (--load-weights)" << std::endl;
+      }
     }
     if (saved.value("seed", c.seed) != c.seed && prints) {
       std::cout << "fsdp-train: note: the checkpoint was trained with --seed " << saved["seed"]

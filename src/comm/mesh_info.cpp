@@ -94,9 +94,11 @@ void check_per_unit_options(const Options& options, const std::vector<std::strin
     const auto hpz = options.reshard_after_forward_to_by_unit.find(name);
     const int n = hpz != options.reshard_after_forward_to_by_unit.end() ? hpz->second : options.reshard_after_forward_to;
     if (n != 0) {
+      const std::string groups = n == Options::kRanksPerNode ? "the ranks per node" : std::to_string(n) + " ranks";
       throw std::invalid_argument("fsdp: keep_gathered_after_forward names '" + name + "', which hpZ also reshards "
-                                  "(to groups of " + std::to_string(n) + " ranks): a unit kept whole needs no secondary "
-                                  "shard; set reshard_after_forward_to_by_unit['" + name + "'] = 0 or drop it from "
+                                  "(to groups of " + groups + "): a unit kept whole needs no secondary shard; set "
+                                  "reshard_after_forward_to_by_unit['" + name + "'] = 0 (fsdp-train: "
+                                  "--reshard-after-forward-to-unit " + name + "=0) or drop it from "
                                   "keep_gathered_after_forward");
     }
   }
