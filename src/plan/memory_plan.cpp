@@ -48,6 +48,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   // What a gather in flight holds besides the unit's buffer: Gloo's staging copy of its output, or
   // with quantization the records (and their staging copy) instead, per non-root unit.
   std::vector<int64_t> nonroot_staging;
+  int64_t kept_units = 0;  // keep_gathered_after_forward: held from their forward to their backward
   int64_t root_bytes = 0, all_unsharded = 0, kept_bytes = 0, largest_compute_bytes = 0, largest_reduce_bytes = 0, root_compute_bytes = 0;
   int64_t largest_shard_reduce_bytes = 0;
   // Where the shards will live decides the backend, and with it what a reduce-scatter holds.
@@ -87,7 +88,8 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
       root_bytes = gathered;
       root_compute_bytes = layout.numel() * static_cast<int64_t>(c10::elementSize(compute));
     } else if (reshards_after_forward(options.strategy) && !reshards_unit_after_forward(options, u.name)) {
-      kept_bytes += gathered;  // keep_gathered_after_forward: held from its forward to its backward
+      kept_bytes += gathered;
+      ++kept_units;
     } else {
       nonroot_bytes.push_back(gathered);
       // What a backward prefetch holds besides the unit's buffer while it is in flight: on the CPU
@@ -131,7 +133,7 @@ MemoryPlan plan_memory(torch::nn::Module& model, int W, const Options& options, 
   plan.activations = options.memory_budget.activation_bytes;
   plan.head_activations = std::min(options.memory_budget.head_activation_bytes, plan.activations);
   if (options.memory_budget.async_checkpoint) plan.checkpoint_copy = plan.sharded_params + plan.adam_state + ignored_saved;
-  plan.backward_units = std::max<int>(1, static_cast<int>(nonroot_bytes.size()));
+  plan.backward_units = std::max<int>(1, static_cast<int>(nonroot_bytes.size() + kept_units));
   plan.unit_grads = largest_compute_bytes;
   plan.reduce_buffer = largest_reduce_bytes;
   plan.root_grads = root_compute_bytes;
