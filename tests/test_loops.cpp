@@ -35,6 +35,8 @@ std::string name_of(const Config& c) {
   return c.strategy + "_W" + std::to_string(c.world) + (c.shard_size ? "_F" + std::to_string(c.shard_size) : "") +
          "_" + c.precision + extra;
 }
+// A failure names its configuration, not the struct's bytes.
+void PrintTo(const Config& c, std::ostream* os) { *os << name_of(c) << " (" << c.seeds << " seeds)"; }
 std::string flags_of(const Config& c) {
   return "--strategy " + c.strategy + (c.shard_size ? " --shard-size " + std::to_string(c.shard_size) : "") +
          " --mixed-precision " + c.precision + (c.extra.empty() ? "" : " " + c.extra);

@@ -77,8 +77,8 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                  "fully after forward; repeatable");
   app.add_option("--keep-gathered-after-forward", c.keep_gathered_after_forward,
                  "UNIT[,UNIT]: these units stay gathered from their forward to their backward (FSDP2's "
-                 "reshard_after_forward=False per module); the last block (blocks.3 of the default GPT) saves "
-                 "backward's first all-gather")
+                 "reshard_after_forward=False per module); 'last': the model's last block (blocks.3 of the default "
+                 "GPT), which saves backward's first all-gather, under full_shard and hybrid_shard; 'none': no unit")
       ->delimiter(',');
   app.add_flag_callback("--hpz", [&c] { c.reshard_after_forward_to = fsdp::Options::kRanksPerNode; },
                         "hpZ with N = the ranks per node: backward's all-gathers never cross hosts");

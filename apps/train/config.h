@@ -48,7 +48,7 @@ struct Config {
   std::string gloo_reduce_scatter = "ring";  // or all_reduce (Gloo's own: twice the bytes)
   int reshard_after_forward_to = 0;          // hpZ; -1 (--hpz): the ranks per node
   std::vector<std::string> reshard_after_forward_to_unit;  // UNIT=N overrides
-  std::vector<std::string> keep_gathered_after_forward;     // units not freed after forward
+  std::vector<std::string> keep_gathered_after_forward = {"last"};  // units not freed after forward (keep_last_block.h)
   std::string quantize_all_gather = "none";  // qwZ: int8 or fp8
   int quantization_block = 64;
   std::string trace_dir;     // write each rank's Chrome trace of step `trace_step` here

@@ -11,6 +11,7 @@
 #include "fsdp/mesh.h"
 #include "fsdp/plan.h"
 #include "fsdp/tensor_parallel.h"
+#include "keep_last_block.h"
 #include "workload.h"
 
 namespace train {
@@ -40,6 +41,7 @@ int plan(const Config& c) {
   std::vector<fsdp::MemoryPlan> plans;
   opts.mixed_precision.reset();
   workload->configure(opts, *model, micro_batch, 4, c.activation_checkpointing);
+  resolve_keep_gathered(opts, *model, dp, dp_local);
   plans.push_back(fsdp::plan_memory(*model, dp, opts, dp_local));
   opts.mixed_precision = fsdp::MixedPrecision{};  // bf16 compute and reduce, fp32 master
   workload->configure(opts, *model, micro_batch, 2, c.activation_checkpointing);

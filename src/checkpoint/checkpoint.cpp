@@ -1,6 +1,6 @@
 // Checkpoints on disk (include/fsdp/checkpoint.h, docs/checkpoints.md): the commit protocol that
-// makes a save all-or-nothing, asynchronous saves, keep-last, and loads that change nothing unless
-// every rank can load everything.
+// makes a save all-or-nothing, asynchronous saves, keep-last. Loading is checkpoint_load.cpp's, the
+// ranks' agreement rank_agreement.cpp's.
 //
 // A save, on every rank, over the checkpointer's own process group (so that an asynchronous save's
 // collectives on its thread never interleave with training's):
@@ -17,7 +17,6 @@
 // A rank that dies before COMMIT leaves only a .tmp folder: the previous checkpoints are untouched.
 #include "fsdp/checkpoint.h"
 
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -27,308 +26,24 @@
 #include <iostream>
 #include <map>
 #include <set>
-#include <unordered_map>
-#include <unordered_set>
 #include <thread>
 
-#include <ATen/Context.h>
-#include <ATen/core/Generator.h>
-#include <torch/serialize.h>
 
 #include "checkpoint/checkpoint_folder.h"
-#include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
-#include "checkpoint/dcp_reader.h"
 #include "checkpoint/file_system.h"
+#include "checkpoint/generator_state.h"
 #include "checkpoint/ignored_state.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/rank_agreement.h"
 #include "comm/mesh_state.h"
-#include "checkpoint/safetensors.h"
 #include "wrap/sharded_root.h"
 #include "checkpoint/state_dict.h"
 #include "checkpoint/tensor_parallel_state.h"
-#include "tensor_parallel/rng_tracker.h"
 
 namespace fsdp {
 namespace {
-
-std::string hex(const at::Tensor& bytes) {
-  static const char* digits = "0123456789abcdef";
-  const auto* p = bytes.data_ptr<uint8_t>();
-  std::string out;
-  out.reserve(2 * bytes.numel());
-  for (int64_t i = 0; i < bytes.numel(); ++i) {
-    out += digits[p[i] >> 4];
-    out += digits[p[i] & 15];
-  }
-  return out;
-}
-
-std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
-at::Tensor unhex(const std::string& text) {
-  at::Tensor out = at::empty({static_cast<int64_t>(text.size() / 2)}, at::kByte);
-  auto* p = out.data_ptr<uint8_t>();
-  auto v = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
-  for (size_t i = 0; i + 1 < text.size(); i += 2) p[i / 2] = static_cast<uint8_t>(v(text[i]) << 4 | v(text[i + 1]));
-  return out;
-}
-
-// The random number generators a rank's training draws from: the CPU one and, with CUDA, the
-// current device's.
-nlohmann::json rng_state() {
-  nlohmann::json out;
-  {
-    at::Generator g = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(g.mutex());
-    out["cpu"] = hex(g.get_state());
-  }
-  if (at::hasCUDA()) {
-    at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA));
-    std::lock_guard<std::mutex> lock(g.mutex());
-    out["cuda"] = hex(g.get_state());
-  }
-  // This TP rank's streams for dropout on split activations (fsdp::seed_tensor_parallel_rng).
-  for (auto& [name, g] : detail::tensor_parallel_generators()) {
-    std::lock_guard<std::mutex> lock(g.mutex());
-    out[name] = hex(g.get_state());
-  }
-  return out;
-}
-
-// A rank's saved generator states, checked by setting them on clones of the generators (a state of
-// the wrong size or version throws here, while nothing has changed), applied only after every rank
-// has checked its own.
-struct StagedRng {
-  std::vector<std::pair<at::Generator, at::Tensor>> states;
-
-  static StagedRng check(const nlohmann::json& j, const std::string& origin) {
-    StagedRng out;
-    auto stage = [&](const char* name, at::Generator g) {
-      if (!j.contains(name)) return;
-      at::Tensor state = unhex(j[name].get<std::string>());
-      try {
-        at::Generator probe = g.clone();
-        probe.set_state(state);
-      } catch (const std::exception& e) {
-        throw std::runtime_error("fsdp: cannot load " + origin + ": its " + name + " random number generator state does "
-                                 "not fit this build of libtorch (" + first_line(e.what()) + ")");
-      }
-      out.states.emplace_back(std::move(g), std::move(state));
-    };
-    stage("cpu", at::detail::getDefaultCPUGenerator());
-    if (at::hasCUDA()) stage("cuda", at::globalContext().defaultGenerator(c10::Device(c10::kCUDA)));
-    for (auto& [name, g] : detail::tensor_parallel_generators()) stage(name.c_str(), g);
-    return out;
-  }
-
-  void apply() {
-    for (auto& [g, state] : states) {
-      std::lock_guard<std::mutex> lock(g.mutex());
-      g.set_state(state);
-    }
-  }
-};
-
-// Every rank's error (empty: none); throws on every rank, naming the first rank that failed, when
-// any did. Every rank calls it at the same point, so a failure on one rank cannot leave the others
-// waiting in a later collective.
-void agree(const GroupPtr& group, const std::string& mine, const std::string& what) {
-  const auto all = all_gather_strings(group, mine);
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (!all[r].empty()) {
-      throw std::runtime_error("fsdp: " + what + " failed on rank " + std::to_string(r) + ": " + all[r]);
-    }
-  }
-}
-
-// A checkpoint holds one value of each buffer (buffers are whole on every rank; rank 0 writes
-// them, as PyTorch's state dicts hold rank 0's). Buffers that differ across ranks -- BatchNorm's
-// running statistics, any buffer a forward updates from the rank's own rows -- come back as rank
-// 0's on every rank, so a resumed run is not bit for bit the one saved on the other ranks (an
-// evaluation with them, a forward that reads them). Found by the conformance scenario
-// Buffers.CheckpointsRestoreBuffersBitwise. Not refused (a BatchNorm model trained without
-// synchronized statistics must stay checkpointable, as in PyTorch), but said: the names of the
-// buffers that differ, "" when none do. Every rank calls it (a collective).
-std::string buffers_that_differ(const GroupPtr& group, detail::ShardedRoot& root) {
-  if (group->getSize() == 1) return "";
-  std::vector<std::string> names;
-  std::string mine;
-  for (const auto& b : root.module().named_buffers(true)) {
-    if (!b.value().defined()) continue;
-    const at::Tensor t = b.value().detach().to(c10::kCPU).contiguous();
-    uint64_t h = 1469598103934665603ULL;  // FNV-1a over the bytes
-    const auto* p = static_cast<const unsigned char*>(t.data_ptr());
-    for (size_t i = 0; i < t.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ULL;
-    names.push_back(b.key());
-    mine += std::to_string(h) + ",";
-  }
-  if (names.empty()) return "";
-  const auto all = all_gather_strings(group, mine);
-  auto split = [](const std::string& s) {
-    std::vector<std::string> out;
-    size_t from = 0;
-    for (size_t comma = s.find(','); comma != std::string::npos; from = comma + 1, comma = s.find(',', from)) {
-      out.push_back(s.substr(from, comma - from));
-    }
-    return out;
-  };
-  const auto rank0 = split(all[0]);
-  std::vector<std::string> differ;
-  int first_rank = -1;
-  for (size_t i = 0; i < names.size(); ++i) {
-    for (size_t r = 1; r < all.size(); ++r) {
-      const auto theirs = split(all[r]);
-      if (i >= theirs.size() || i >= rank0.size() || theirs[i] != rank0[i]) {
-        differ.push_back("'" + names[i] + "'");
-        if (first_rank < 0) first_rank = static_cast<int>(r);
-        break;
-      }
-    }
-  }
-  if (differ.empty()) return "";
-  std::string list;
-  for (size_t i = 0; i < differ.size() && i < 8; ++i) list += (i ? ", " : "") + differ[i];
-  if (differ.size() > 8) list += " and " + std::to_string(differ.size() - 8) + " more";
-  return list + " differ across ranks (rank " + std::to_string(first_rank) + "'s from rank 0's)";
-}
-
-// Every rank's optimizer must step the same parameters in the same groups (in any order): the
-// manifest records rank 0's groups, and a rank whose optimizer lacks a parameter would save no
-// state for its piece of it, a checkpoint that resumes that parameter from nothing. Collective:
-// throws on every rank, naming the rank and the parameters, before anything is written.
-void check_same_optimizer_on_all_ranks(const GroupPtr& group, const RankState& rs) {
-  nlohmann::json mine = nullptr;  // no optimizer given
-  if (rs.optimizer) {
-    std::vector<std::vector<std::string>> groups;
-    for (const auto& g : rs.optimizer->groups) {
-      std::vector<std::string> names = g.at("params").get<std::vector<std::string>>();
-      std::sort(names.begin(), names.end());
-      groups.push_back(std::move(names));
-    }
-    std::sort(groups.begin(), groups.end());
-    mine = groups;
-  }
-  const auto all = all_gather_strings(group, mine.dump());
-  for (size_t r = 1; r < all.size(); ++r) {
-    if (all[r] == all[0]) continue;
-    const auto theirs = nlohmann::json::parse(all[r]), first = nlohmann::json::parse(all[0]);
-    auto names_of = [](const nlohmann::json& j) {
-      std::set<std::string> out;
-      if (j.is_array()) {
-        for (const auto& g : j) {
-          for (const auto& n : g) out.insert(n.get<std::string>());
-        }
-      }
-      return out;
-    };
-    const auto a = names_of(first), b = names_of(theirs);
-    auto list = [](const std::set<std::string>& s) {
-      std::string out;
-      for (const auto& n : s) out += (out.empty() ? "" : ", ") + n;
-      return out;
-    };
-    std::set<std::string> lacks, extra;
-    for (const auto& n : a) if (!b.count(n)) lacks.insert(n);
-    for (const auto& n : b) if (!a.count(n)) extra.insert(n);
-    const std::string who = "rank " + std::to_string(r) + "'s optimizer";
-    std::string what;
-    if (first.is_null() != theirs.is_null()) {
-      what = first.is_null() ? who + " was given and rank 0's was not" : who + " was not given and rank 0's was";
-    } else if (!lacks.empty() || !extra.empty()) {
-      if (!lacks.empty()) what = who + " lacks " + list(lacks) + ", which rank 0's steps";
-      if (!extra.empty()) what += (what.empty() ? who : std::string(", and")) + " steps " + list(extra) + ", which rank 0's lacks";
-    } else {
-      what = who + " groups the parameters otherwise than rank 0's";
-    }
-    throw std::invalid_argument("fsdp: saving a checkpoint: the optimizers differ across ranks: " + what +
-                                ". Every rank must build its optimizer from the same parameters in the same groups "
-                                "(the wrapper's parameters(), in any order); nothing was saved");
-  }
-}
-
-// What a manifest would say of the optimizer, for a PyTorch checkpoint: its type is taken to be
-// this optimizer's (the state tensors' names, checked by stage_optimizer, must fit it), the step
-// counts are the files', and the groups with their hyper-parameters are those of the folder's
-// optimizer_groups.json when it has one (torch 2.11's Hugging Face writer cannot store them: see
-// tests/python/optimizer_interop.py), else this optimizer's own.
-nlohmann::json dcp_optimizer_json(detail::ShardedRoot& root, torch::optim::Optimizer& optimizer, const DcpFolder& dcp) {
-  auto adapter = OptimizerStateAdapter::for_optimizer(optimizer);
-  const std::map<const c10::TensorImpl*, std::string> name_of = saved_parameter_names(root);
-  nlohmann::json groups = nlohmann::json::array();
-  for (auto& group : optimizer.param_groups()) {
-    nlohmann::json names = nlohmann::json::array();
-    for (const auto& p : group.params()) {
-      auto it = name_of.find(p.unsafeGetTensorImpl());
-      if (it != name_of.end()) names.push_back(it->second);
-    }
-    groups.push_back({{"params", names}, {"options", adapter->group_options(group)}});
-  }
-  std::set<std::string> params;
-  for (const auto& [impl, name] : name_of) params.insert(name);
-  for (const auto& [key, pieces] : dcp.optimizer.pieces) {
-    const std::string param = key.substr(6, key.rfind('.') - 6);
-    if (!params.count(param)) {
-      throw std::runtime_error("fsdp: cannot load " + dcp.optimizer.origin + ": it holds optimizer state \"" + key +
-                               "\" of \"" + param + "\", which is not a parameter of this model (by its first name)");
-    }
-    if (!dcp.steps.contains(param)) {
-      throw std::runtime_error("fsdp: cannot load " + dcp.optimizer.origin + ": it holds \"" + key + "\" but no \"state." +
-                               param + ".step\" (save the optimizer state flattened, with its step tensors)");
-    }
-  }
-  const std::string sidecar = dcp.model.folder + "/optimizer_groups.json";
-  if (path_exists(sidecar)) {
-    std::ifstream in(sidecar);
-    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-    const nlohmann::json saved = j.is_object() ? j.value("groups", nlohmann::json()) : nlohmann::json();
-    bool ok = saved.is_array();
-    for (const auto& g : ok ? saved : nlohmann::json::array()) {
-      ok = ok && g.is_object() && g.contains("params") && g["params"].is_array() && g.contains("options") &&
-           g["options"].is_object();
-      for (const auto& n : ok ? g["params"] : nlohmann::json::array()) ok = ok && n.is_string();
-    }
-    if (!ok) {
-      throw std::runtime_error("fsdp: cannot load " + sidecar + ": not {\"groups\": [{\"params\": [names], \"options\": "
-                               "{...}}, ...]}");
-    }
-    groups = saved;
-  }
-  return {{"type", adapter->name()}, {"groups", groups}, {"steps", dcp.steps}};
-}
-
-// Which checkpoint `path` means (itself when it holds a manifest, else the newest good one under
-// it), decided by rank 0 alone and sent to every rank: ranks that looked on their own could see
-// different folders (a commit landing between their listings, a network file system's cache).
-std::optional<std::string> decided_by_rank0(const GroupPtr& group, const std::string& path) {
-  std::string mine;
-  if (group->getRank() == 0) {
-    if (path_exists(path + "/manifest.json") || is_dcp_folder(path)) {
-      mine = "=" + path;
-    } else if (auto found = latest_checkpoint(path)) {
-      mine = "=" + *found;
-    }
-  }
-  const std::string decided = all_gather_strings(group, mine).at(0);
-  if (decided.empty()) return std::nullopt;
-  return decided.substr(1);
-}
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-    return "";
-  } catch (const c10::Error& e) {
-    // The message the other ranks get too: without this rank's backtrace.
-    std::string msg = e.what_without_backtrace();
-    return msg.empty() ? "unknown error" : msg;
-  } catch (const std::exception& e) {
-    std::string msg = e.what();
-    return msg.empty() ? "unknown error" : msg;
-  }
-}
 
 // What a manifest says besides the pieces: the same on every rank (rank 0's is written).
 nlohmann::json manifest_base(detail::ShardedRoot& root, StateDictKind kind, const RankState& state,
@@ -376,6 +91,7 @@ void write_manifest(const std::string& folder, const nlohmann::json& m) {
 }
 
 }  // namespace
+
 
 StateDictKind parse_state_dict_kind(const std::string& name) {
   if (name == "full") return StateDictKind::FULL;
@@ -657,199 +373,6 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
     });
   });
   return final_path;
-}
-
-TrainingState load_checkpoint(const std::string& path, FullyShardedDataParallelBase& model,
-                              torch::optim::Optimizer* optimizer, ShardedGradScaler* scaler) {
-  detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_checkpointable("loading a checkpoint");
-  const MeshInfo& mi = root.comm().mesh();
-  // Stage: every rank reads and checks everything it will change (weights, optimizer state,
-  // scaler, generators, training state) into staging. Agree. Only then apply, on every rank.
-  StagedLoad staged;
-  StagedRng rng;
-  nlohmann::json manifest;
-  std::optional<GradScalerState> scaler_state;
-  TrainingState out;
-  std::string manifest_id = "(unread)";
-  std::string err = error_of([&] {
-    if (is_dcp_folder(path)) {
-      // A PyTorch checkpoint (dcp_reader.h): weights and optimizer state by name; no generators,
-      // scaler or training state; the optimizer's hyper-parameters stay those it was built with.
-      const DcpFolder dcp = read_dcp_folder(path);
-      manifest_id = "PyTorch checkpoint";
-      stage_model(root, dcp.model, staged);
-      if (optimizer) stage_optimizer(root, *optimizer, dcp.optimizer, dcp_optimizer_json(root, *optimizer, dcp), staged);
-      if (scaler) throw std::runtime_error("fsdp: " + path + " is a PyTorch checkpoint: it holds no gradient scaler state");
-      for (const auto& [param, step] : dcp.steps.items()) out.step = std::max(out.step, step.get<int64_t>());
-      out.user_json = "{}";
-      return;
-    }
-    manifest = read_manifest(path);
-    manifest_id = std::to_string(manifest_checksum(manifest)) + " step " + manifest["step"].dump();
-    const StateDictKind kind = parse_state_dict_kind(manifest["kind"].get<std::string>());
-    if (kind == StateDictKind::LOCAL) {
-      const auto here = describe_model_state(root);
-      const int W = manifest["world_size"].get<int>(), F = manifest["shard_size"].get<int>();
-      if (W != mi.world_size || F != mi.shard_size || manifest["model"]["units"] != here["units"]) {
-        throw std::runtime_error(
-            "fsdp: " + path + " is a LOCAL checkpoint saved at W=" + std::to_string(W) + ", F=" + std::to_string(F) +
-            " (" + manifest["strategy"].get<std::string>() + ", " + std::to_string(manifest["model"]["units"].size()) +
-            " units); this model is wrapped at W=" + std::to_string(mi.world_size) + ", F=" +
-            std::to_string(mi.shard_size) + " (" + to_string(root.options().strategy) + ", " +
-            std::to_string(here["units"].size()) + " units). LOCAL checkpoints load only into the same layout: "
-            "resume with the saving job's world size and strategy, or save FULL or SHARDED checkpoints to reshard.");
-      }
-    }
-    const SavedTensors saved = saved_from_manifest(path, manifest);
-    stage_model(root, saved, staged);
-    if (optimizer) stage_optimizer(root, *optimizer, saved, manifest["optimizer"], staged);
-    // After staging, which opened only the files holding this rank's elements: their sizes, and the
-    // checksums of this rank's share of all files.
-    verify_files(path, manifest, job_rank(root), job_size(root), staged.files_read);
-    if (scaler) {
-      if (manifest["scaler"].is_null()) {
-        throw std::runtime_error("fsdp: " + path + " holds no gradient scaler state (it was saved without one); "
-                                 "load it without a scaler");
-      }
-      scaler_state = GradScalerState{manifest["scaler"]["scale"].get<double>(),
-                                              manifest["scaler"]["growth_tracker"].get<int64_t>()};
-    }
-    // The generators go back to the ranks that saved them when the job has the same ranks.
-    const std::string me = std::to_string(job_rank(root));
-    const TensorParallel* tp = tensor_parallel_of(root);
-    if (manifest["world_size"].get<int>() == job_size(root) && manifest.value("tensor_parallel", 1) == (tp ? tp->size() : 1) &&
-        manifest.contains("rng") && manifest["rng"].contains(me)) {
-      rng = StagedRng::check(manifest["rng"][me], path);
-    }
-    out.step = manifest["step"].get<int64_t>();
-    out.user_json = manifest["training"].dump();
-  });
-  // Every rank must have read the same manifest (the same path, the same bytes).
-  const auto ids = all_gather_strings(job_group(root), path + "\n" + manifest_id);
-  for (size_t r = 1; r < ids.size() && err.empty(); ++r) {
-    if (ids[r] != ids[0]) {
-      err = "ranks read different manifests: rank 0 read " + ids[0].substr(0, ids[0].find('\n')) + " (" +
-            ids[0].substr(ids[0].find('\n') + 1) + "), rank " + std::to_string(r) + " read " +
-            ids[r].substr(0, ids[r].find('\n')) + " (" + ids[r].substr(ids[r].find('\n') + 1) +
-            "). Give every rank the same checkpoint folder (fsdp::find_checkpoint decides one for all), on a file "
-            "system every rank sees the same";
-    }
-  }
-  agree(job_group(root), err, "loading checkpoint " + path + " (nothing was changed)");
-  apply(staged, optimizer);
-  if (scaler_state) scaler->load_state(*scaler_state);
-  rng.apply();
-  return out;
-}
-
-void export_full(const std::string& path, FullyShardedDataParallelBase& model) {
-  detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_checkpointable("export_full");
-  check_replicated_agree(root, "export_full");
-  const RankState rs = collect_rank_state(root, nullptr);
-  const std::string tmp = path + ".tmp";
-  std::string err = error_of([&] { write_full_model_file(tmp, root, rs); });
-  if (writes_whole(root) && err.empty()) err = error_of([&] { rename_path(tmp, path); });
-  agree(job_group(root), err, "exporting " + path);
-}
-
-void load_model_file(const std::string& path, FullyShardedDataParallelBase& model) {
-  detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_checkpointable("load_model_file");
-  StagedLoad staged;
-  const std::string err = error_of([&] {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::runtime_error("fsdp: cannot open " + path);
-    char magic[4] = {0, 0, 0, 0};
-    in.read(magic, 4);
-    // A torch.save file is a zip archive (a local file header, "PK\3\4"), read whole by the
-    // unpickler; anything else is read as safetensors, each rank only the elements it holds (a
-    // safetensors header of 0x4B50 bytes also starts with "PK").
-    if (in.gcount() == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0) {
-      in.seekg(0);
-      std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      c10::IValue value;
-      try {
-        value = torch::pickle_load(data);
-      } catch (const std::exception& e) {
-        throw std::runtime_error(
-            "fsdp: cannot read " + path + " with libtorch's unpickler (" + first_line(e.what()) +
-            "). A torch.save of model.state_dict() stores an OrderedDict, which libtorch cannot read (PyTorch issue "
-            "#100741). Re-save it from Python as a plain dict, torch.save(dict(model.state_dict()), path), or as "
-            "safetensors, safetensors.torch.save_model(model, path).");
-      }
-      if (!value.isGenericDict()) throw std::runtime_error("fsdp: " + path + " holds a " + value.tagKind() + ", not a dict of tensors");
-      std::map<std::string, at::Tensor> tensors;
-      for (const auto& kv : value.toGenericDict()) {
-        if (!kv.key().isString() || !kv.value().isTensor()) {
-          throw std::runtime_error("fsdp: " + path + " is not a dict of name -> tensor (entry " + kv.key().tagKind() + ")");
-        }
-        tensors[kv.key().toStringRef()] = kv.value().toTensor();
-      }
-      stage_model(root, saved_from_memory(path, tensors), staged);
-    } else {
-      stage_model(root, saved_from_safetensors(path), staged);
-    }
-  });
-  agree(job_group(root), err, "loading " + path + " (nothing was changed)");
-  apply(staged, nullptr);
-}
-
-std::vector<std::pair<std::string, at::Tensor>> full_state_dict(FullyShardedDataParallelBase& model, bool rank0_only) {
-  detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_checkpointable("full_state_dict");
-  check_replicated_agree(root, "full_state_dict");
-  const bool keep = !rank0_only || writes_whole(root);
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> by_param;
-  gather_units(
-      root,
-      shard_slice,
-      [&](const Unit& u, const at::Tensor& full) {
-        const FlatParamHandle& h = u.handle();
-        for (size_t i = 0; i < h.layout().entries().size(); ++i) {
-          // Under TP every rank that received the unit puts its parameters together (collective).
-          const at::Tensor whole = whole_of(h, i, view_of_param(full, h.layout().entries()[i]));
-          if (keep) {
-            out.emplace_back(h.layout().entries()[i].fqn, split_placement(h, i) ? whole : whole.clone());
-            by_param.emplace(h.params()[i].unsafeGetTensorImpl(), out.back().second);
-          }
-        }
-      },
-      rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
-  append_whole_ignored(root, out, keep, rank0_only ? GatherTo::TO_RANK0 : GatherTo::TO_ALL);
-  if (keep) {
-    // A tensor registered under several names (a tied weight, a module registered twice) is in
-    // the state dict under each of them, the same tensor, as the module's own named_parameters()
-    // lists it: a plain model loads it by any of its names.
-    std::unordered_set<std::string> named;
-    for (const auto& [name, t] : out) named.insert(name);
-    for (const auto& p : root.module().named_parameters(true)) {
-      auto it = by_param.find(p.value().unsafeGetTensorImpl());
-      if (it != by_param.end() && !named.count(p.key())) out.emplace_back(p.key(), it->second);
-    }
-
-    for (const auto& b : root.module().named_buffers(true)) {
-      if (b.value().defined()) out.emplace_back(b.key(), b.value().detach().clone());
-    }
-  }
-  return out;
-}
-
-std::vector<std::pair<std::string, ShardedTensor>> sharded_state_dict(FullyShardedDataParallelBase& model) {
-  detail::ShardedRoot& root = detail::RootAccess::of(model);
-  root.check_checkpointable("sharded_state_dict");
-  if (const TensorParallel* tp = tensor_parallel_of(root)) {
-    throw std::invalid_argument("fsdp: sharded_state_dict of a model split for tensor parallelism (" +
-                                std::to_string(tp->size()) + " ranks): a rank's piece of a split parameter is not one "
-                                "range of the whole tensor; use full_state_dict");
-  }
-  std::vector<std::pair<std::string, ShardedTensor>> out;
-  for (const StatePiece& p : collect_rank_state(root, nullptr).pieces) {
-    out.emplace_back(p.key, ShardedTensor{p.shape, p.flat_begin, p.local});
-  }
-  return out;
 }
 
 }  // namespace fsdp

@@ -1,6 +1,6 @@
 // Reading a checkpoint, or a plain state dict file, into a wrapped model (docs/checkpoints.md).
 // Everything is read and checked into staging tensors first ("stage"); only when every rank has
-// staged all of it does anything change ("apply", checkpoint.cpp decides). Each rank reads only
+// staged all of it does anything change ("apply", checkpoint_load.cpp decides). Each rank reads only
 // the elements it holds under the model's current layout, from whichever saved pieces contain
 // them: this is what lets a checkpoint saved at one world size and strategy load at another.
 #pragma once

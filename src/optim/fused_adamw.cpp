@@ -11,14 +11,14 @@
 namespace fsdp {
 namespace {
 
-constexpr const char* kName = "FusedAdamW";
+constexpr const char* kFusedAdamW = "FusedAdamW";
 
 }  // namespace
 
 FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                        torch::optim::AdamWOptions defaults)
     : Optimizer(param_groups, std::make_unique<torch::optim::AdamWOptions>(defaults)) {
-  optim::check_unique(kName, param_groups_);
+  optim::check_unique(kFusedAdamW, param_groups_);
   optim::check_adamw_options(param_groups_);
 }
 
@@ -27,7 +27,7 @@ FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOption
 
 at::Tensor FusedAdamW::step(LossClosure closure) {
   at::NoGradGuard no_grad;
-  const at::Tensor loss = optim::begin_step(kName, param_groups_, closure);
+  const at::Tensor loss = optim::begin_step(kFusedAdamW, param_groups_, closure);
   struct Lists {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
     std::vector<int64_t> steps;
@@ -41,7 +41,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     for (size_t i = 0; i < group.params().size(); ++i) {
       const at::Tensor& p = group.params()[i];
       if (!p.grad().defined()) continue;
-      at::Tensor grad = optim::checked_grad(kName, p, gi, i);
+      at::Tensor grad = optim::checked_grad(kFusedAdamW, p, gi, i);
       auto it = state_.find(p.unsafeGetTensorImpl());
       const bool created = it == state_.end();
       if (created) {

@@ -11,13 +11,13 @@
 namespace fsdp {
 namespace {
 
-constexpr const char* kName = "FusedSGD";
+constexpr const char* kFusedSGD = "FusedSGD";
 
 }  // namespace
 
 FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, torch::optim::SGDOptions defaults)
     : Optimizer(param_groups, std::make_unique<torch::optim::SGDOptions>(defaults)) {
-  optim::check_unique(kName, param_groups_);
+  optim::check_unique(kFusedSGD, param_groups_);
   optim::check_sgd_options(param_groups_);
 }
 
@@ -26,7 +26,7 @@ FusedSGD::FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defa
 
 at::Tensor FusedSGD::step(LossClosure closure) {
   at::NoGradGuard no_grad;
-  const at::Tensor loss = optim::begin_step(kName, param_groups_, closure);
+  const at::Tensor loss = optim::begin_step(kFusedSGD, param_groups_, closure);
   struct Lists {
     std::vector<at::Tensor> params, grads, buffers;
     std::vector<int64_t> fresh;
@@ -38,7 +38,7 @@ at::Tensor FusedSGD::step(LossClosure closure) {
     for (size_t i = 0; i < group.params().size(); ++i) {
       const at::Tensor& p = group.params()[i];
       if (!p.grad().defined()) continue;
-      at::Tensor grad = optim::checked_grad(kName, p, gi, i);
+      at::Tensor grad = optim::checked_grad(kFusedSGD, p, gi, i);
       Lists& l = parts[optim::partition_key(p)];
       l.params.push_back(p);
       l.grads.push_back(std::move(grad));

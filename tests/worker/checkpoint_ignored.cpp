@@ -17,15 +17,6 @@
 namespace worker {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // Copies of everything a load may change: this rank's shards and rows, and the optimizer's state.
 std::vector<torch::Tensor> snapshot(fsdp::FullyShardedDataParallelBase& model, torch::optim::AdamW& optim) {
   std::vector<torch::Tensor> out;

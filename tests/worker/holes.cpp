@@ -26,15 +26,6 @@
 namespace worker {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 models::GPT tiny_gpt(bool frozen_first_block = false) {
   torch::manual_seed(0);
   models::GPT m(models::GPTConfig::preset("tiny"));

@@ -9,19 +9,6 @@
 #include "worker.h"
 
 namespace worker {
-namespace {
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
-}  // namespace
-
 json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   const int rank = mesh->rank();
   const int64_t per = kGlobalBatch / mesh->world_size();

@@ -17,13 +17,13 @@
 namespace worker {
 namespace {
 
-constexpr int64_t kWidth = 32;
+constexpr int64_t kBlockWidth = 32;
 
 struct DropBlockImpl : torch::nn::Module {
   DropBlockImpl() {
-    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
-    fc = register_module("fc", torch::nn::Linear(kWidth, 4 * kWidth));
-    proj = register_module("proj", torch::nn::Linear(4 * kWidth, kWidth));
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kBlockWidth})));
+    fc = register_module("fc", torch::nn::Linear(kBlockWidth, 4 * kBlockWidth));
+    proj = register_module("proj", torch::nn::Linear(4 * kBlockWidth, kBlockWidth));
     drop = register_module("drop", torch::nn::Dropout(0.25));
   }
   torch::Tensor forward(const torch::Tensor& x) { return x + proj(drop(torch::gelu(fc(ln(x))))); }
@@ -35,10 +35,10 @@ TORCH_MODULE(DropBlock);
 
 struct DropNetImpl : torch::nn::Module {
   DropNetImpl() {
-    in = register_module("in", torch::nn::Linear(16, kWidth));
+    in = register_module("in", torch::nn::Linear(16, kBlockWidth));
     blocks = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < 4; ++i) blocks->push_back(DropBlock());
-    out = register_module("out", torch::nn::Linear(kWidth, 16));
+    out = register_module("out", torch::nn::Linear(kBlockWidth, 16));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     torch::Tensor h = in(x);

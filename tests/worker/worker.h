@@ -147,4 +147,14 @@ json run_wire(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_tensor_parallel(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 json run_checkpoint_hostile(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a);
 
+// What fn threw ("" when it returned): for a worker that checks a refusal's message.
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace worker
