@@ -101,7 +101,9 @@ double host_tx_per_step(const std::string& strategy, const std::string& flags = 
   const std::string metrics = fsdp_test::temp_prefix("cluster-" + strategy) + ".jsonl";
   std::remove(metrics.c_str());
   const ShellRun run = sh("bash " + kScript + " --hosts 2 --ranks-per-host 2 --bandwidth 1gbit --timeout 240 -- " +
-                         train_bin() + " --model small --steps 4 --global-batch-size 8 --log-every 100 --strategy " +
+                         // FSDP1's schedule, which the traffic model counts: every block resharded after forward.
+                         train_bin() + " --model small --steps 4 --global-batch-size 8 --log-every 100 "
+                         "--keep-gathered-after-forward none --strategy " +
                          strategy + " " + flags + " --metrics-jsonl " + metrics,
                      300);
   EXPECT_EQ(run.exit_code, 0) << run.output;

@@ -62,7 +62,9 @@ TEST(Wire, HpzComputesExactlyWhatFullShardComputes) {
 // backward's all-gather bytes between none and all units' secondary gathers. A name that is no
 // unit is refused with the units' names.
 TEST(Wire, HpzPerUnitKeepsSecondaryShardsOnlyWhereAsked) {
-  const std::string common = "--model tiny --global-batch-size 12 --nproc-per-node 4 --strategy full_shard";
+  // Every unit resharded after forward, as hpZ's baseline (fsdp-train keeps the last block by default).
+  const std::string common = "--model tiny --global-batch-size 12 --nproc-per-node 4 --strategy full_shard "
+                             "--keep-gathered-after-forward none";
   const auto base = main_job(common, 4);
   const auto all = main_job(common + " --reshard-after-forward-to 2", 4);
   const auto first = main_job(common + " --reshard-after-forward-to-unit blocks.0=2", 4);
@@ -87,13 +89,18 @@ TEST(Wire, HpzPerUnitKeepsSecondaryShardsOnlyWhereAsked) {
 // checkpointing and under hybrid sharding; one block's all-gather fewer per step, the same gathered
 // peak (backward holds that block and the next anyway), and none of backward's exposed all-gather
 // wait is for it. Names that are no unit, a strategy that keeps every unit, and hpZ on the same
-// unit are refused by name.
+// unit are refused by name. fsdp-train does it by default ("last"): its default run is the kept one,
+// and "none" is FSDP1's schedule.
 TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
   for (const std::string extra : {" --strategy full_shard", " --strategy full_shard --activation-checkpointing",
                                   " --strategy hybrid_shard --shard-size 2"}) {
     const std::string common = "--model tiny --global-batch-size 12 --nproc-per-node 4" + extra;
-    const auto base = main_job(common, 4);
+    const auto base = main_job(common + " --keep-gathered-after-forward none", 4);
     const auto kept = main_job(common + " --keep-gathered-after-forward blocks.1", 4);  // tiny: blocks.0, blocks.1
+    const auto by_default = main_job(common, 4);
+    EXPECT_EQ(by_default.last["comm_calls"], kept.last["comm_calls"]) << extra << ": the default keeps the last block";
+    EXPECT_EQ(by_default.last["comm_bytes"], kept.last["comm_bytes"]) << extra;
+    EXPECT_EQ(by_default.losses, kept.losses) << extra;
     for (size_t s = 0; s < base.losses.size(); ++s) EXPECT_EQ(kept.losses[s], base.losses[s]) << extra << " step " << s;
     auto ag = [](const fsdp_test::MainJob& j) { return j.last["comm_bytes"]["all_gather"].get<double>(); };
     auto calls = [](const fsdp_test::MainJob& j) { return j.last["comm_calls"]["all_gather"].get<double>(); };
@@ -109,7 +116,18 @@ TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
   EXPECT_NE(zero2.output.find("which keeps every unit gathered after forward already"), std::string::npos) << zero2.output;
   const auto hpz = fsdp_test::sh(tiny + " --reshard-after-forward-to-unit blocks.1=1 --keep-gathered-after-forward blocks.1");
   EXPECT_NE(hpz.output.find("a unit kept whole needs no secondary shard"), std::string::npos) << hpz.output;
-  for (const auto* r : {&bad, &zero2, &hpz}) EXPECT_NE(r->exit_code, 0);
+  const auto none_and_more = fsdp_test::sh(tiny + " --keep-gathered-after-forward none,blocks.1");
+  EXPECT_NE(none_and_more.output.find("--keep-gathered-after-forward none keeps no unit gathered: give it alone"),
+            std::string::npos) << none_and_more.output;
+  for (const auto* r : {&bad, &zero2, &hpz, &none_and_more}) EXPECT_NE(r->exit_code, 0);
+  // Where keeping means nothing (a strategy that keeps every unit, hpZ on the last block, local
+  // training), the default steps aside: these runs train.
+  const std::string tiny_local = fsdp_test::fsdp_train() + " --model tiny --steps 1 --local";
+  for (const std::string ok : {tiny + " --strategy shard_grad_op", tiny + " --reshard-after-forward-to-unit blocks.1=1",
+                               tiny_local, tiny_local + " --keep-gathered-after-forward none"}) {
+    const auto run = fsdp_test::sh(ok);
+    EXPECT_EQ(run.exit_code, 0) << ok << "\n" << run.output;
+  }
 }
 
 // A group that is not a divisor of F, or a strategy that keeps parameters after forward, is refused

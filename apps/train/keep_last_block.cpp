@@ -20,8 +20,8 @@ void resolve_keep_gathered(fsdp::Options& options, torch::nn::Module& model, int
     throw std::invalid_argument("--keep-gathered-after-forward none keeps no unit gathered: give it alone, or name the "
                                 "units (e.g. blocks.3) or 'last'");
   }
-  const auto last = std::find(kept.begin(), kept.end(), "last");
   if (none) kept.clear();
+  const auto last = std::find(kept.begin(), kept.end(), "last");
   if (last == kept.end()) return;
   kept.erase(last);
   if (options.strategy != fsdp::ShardingStrategy::FULL_SHARD && options.strategy != fsdp::ShardingStrategy::HYBRID_SHARD) {

@@ -99,6 +99,9 @@ Model build_model(const Config& c, const Job& job) {
     workload->configure(options, *meta, micro_batch, element, c.activation_checkpointing);
     if (job.plain) {
       options.keep_gathered_after_forward.clear();  // no unit to keep ("last" or "none": job_setup refuses names)
+    } else if (c.simulate_layers > 0 && keeps_only_by_default(options.keep_gathered_after_forward)) {
+      // The sample's blocks are not the whole model's: its last block is not the plan's.
+      options.keep_gathered_after_forward.clear();
     } else {
       resolve_keep_gathered(options, *meta, job.W, job.mesh->env().local_world_size);
     }
