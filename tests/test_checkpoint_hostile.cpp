@@ -197,6 +197,37 @@ TEST(CheckpointManifest, FieldsAreCheckedAndNamed) {
 
 // 5. A load checks everything on every rank, agrees, then applies: a generator state that only
 //    rank 1 cannot take changes nothing anywhere.
+// fsdp-train's learning-rate schedule in a hand-edited manifest (checksum recomputed) is checked
+// as the flags are (the outside review of issue 39: a negative or unknown schedule trained on);
+// a missing --resume folder is named as missing; and a longer run of a constant rate, whose
+// schedule differs only by the saved horizon, gets no note that the schedule changed.
+TEST(CheckpointManifest, FsdpTrainsScheduleIsCheckedAsItsFlagsAre) {
+  const std::string dir = fresh_dir("schedule-edit");
+  const auto saved = train("--nproc-per-node 2 --steps 4 --save-dir " + dir + "/c");
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  const std::string step = step_dir(dir + "/c", 4);
+  const json good = manifest(step);
+  const auto longer = train("--nproc-per-node 2 --steps 6 --resume " + step);
+  EXPECT_EQ(longer.exit_code, 0) << longer.output;
+  EXPECT_EQ(longer.output.find("learning-rate schedule continues"), std::string::npos) << longer.output;
+  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
+           {"peak", -1.0}, {"kind", "bogus"}, {"warmup_steps", 10}, {"min_lr", 0.5}}) {
+    json m = good;
+    m["training"]["lr_schedule"][field] = value;
+    if (field == "warmup_steps") m["training"]["lr_schedule"]["kind"] = "cosine";
+    write_manifest(step, m);
+    const auto r = train("--nproc-per-node 2 --steps 6 --resume " + step);
+    EXPECT_NE(r.exit_code, 0) << field << "\n" << r.output;
+    EXPECT_NE(r.output.find("its learning-rate schedule (training.lr_schedule in manifest.json) cannot run"),
+              std::string::npos) << field << "\n" << r.output;
+  }
+  write_manifest(step, good);
+  const auto missing = train("--nproc-per-node 2 --steps 6 --resume " + dir + "/no-such-folder");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.output.find("no-such-folder: no such file or folder"), std::string::npos) << missing.output;
+  fsdp_test::sh("rm -rf " + dir);
+}
+
 TEST(CheckpointLoad, OneRanksBadGeneratorStateChangesNothingAnywhere) {
   const std::string dir = saved_checkpoints("rng");
   const std::string copy = dir + "/bad-rng";

@@ -205,3 +205,32 @@ TEST(MainJob, DHENEndsWithItsRunFolderAndResumesAtAnotherWorldSize) {
   }
   fsdp_test::sh("rm -rf " + dir);
 }
+
+// Issue 39: scripts/train, the README's main job, runs the schedule chosen for it (360 steps,
+// 30 of warmup, a cosine decay from 2e-3 to 2e-4); a flag the user gives replaces its part (a
+// step count only the step count; any learning-rate flag the whole schedule).
+TEST(MainJob, ScriptsTrainRunsItsScheduleAndTheUsersFlagsReplaceIt) {
+  const std::string jsonl = fsdp_test::temp_prefix("main-job-schedule") + ".jsonl";
+  auto lrs = [&](const std::string& flags) {
+    std::remove(jsonl.c_str());
+    const auto run = fsdp_test::sh("bash " FSDP_SOURCE_DIR "/scripts/train --model tiny --log-every 1000 --run-dir none "
+                                   "--sample-tokens 0 --metrics-jsonl " + jsonl + " " + flags, 300);
+    EXPECT_EQ(run.exit_code, 0) << flags << "\n" << run.output;
+    std::map<int, double> lr;
+    std::ifstream in(jsonl);
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("event") && j.value("rank", -1) == 0) lr[j["step"].get<int>()] = j["lr"].get<double>();
+    }
+    return lr;
+  };
+  auto chosen = lrs("--steps 40");  // the step count replaced, the schedule kept
+  ASSERT_EQ(chosen.size(), 40u);
+  EXPECT_DOUBLE_EQ(chosen[0], 2e-3 / 30);
+  EXPECT_DOUBLE_EQ(chosen[29], 2e-3);
+  EXPECT_DOUBLE_EQ(chosen[39], 2e-4);
+  auto constant = lrs("--steps 3 --lr 1e-3");  // a rate given: no schedule added
+  ASSERT_EQ(constant.size(), 3u);
+  for (const auto& [step, lr] : constant) EXPECT_DOUBLE_EQ(lr, 1e-3) << "step " << step;
+  std::remove(jsonl.c_str());
+}

@@ -119,7 +119,11 @@ TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
   const auto none_and_more = fsdp_test::sh(tiny + " --keep-gathered-after-forward none,blocks.1");
   EXPECT_NE(none_and_more.output.find("--keep-gathered-after-forward none keeps no unit gathered: give it alone"),
             std::string::npos) << none_and_more.output;
-  for (const auto* r : {&bad, &zero2, &hpz, &none_and_more}) EXPECT_NE(r->exit_code, 0);
+  const auto empty = fsdp_test::sh(tiny + " --keep-gathered-after-forward ''");
+  EXPECT_NE(empty.output.find("--keep-gathered-after-forward"), std::string::npos) << empty.output;  // not the root unit ''
+  for (const auto* r : {&bad, &zero2, &hpz, &none_and_more, &empty}) EXPECT_NE(r->exit_code, 0);
+  const auto twice = fsdp_test::sh(tiny + " --keep-gathered-after-forward last,last");  // "last" once
+  EXPECT_EQ(twice.exit_code, 0) << twice.output;
   // Where keeping means nothing (a strategy that keeps every unit, hpZ on the last block, local
   // training), the default steps aside: these runs train.
   const std::string tiny_local = fsdp_test::fsdp_train() + " --model tiny --steps 1 --local";

@@ -3,6 +3,7 @@
 // and the save after a step.
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <stdexcept>
 
@@ -66,6 +67,10 @@ Checkpoints open_checkpoints(const Config& c, const Job& job, Model& built, LrSc
     // Rank 0 decides which checkpoint --resume names; every rank loads that one.
     const auto found = fsdp::find_checkpoint(*job.world, resume);
     if (!found) {
+      if (!std::filesystem::exists(resume)) {
+        throw std::invalid_argument("--resume " + c.resume + ": no such file or folder (give a checkpoint folder, "
+                                    "step-N/, or the folder --save-dir wrote them to)");
+      }
       throw std::invalid_argument("--resume " + c.resume + ": neither a checkpoint (no manifest.json) nor a folder of "
                                   "checkpoints (no complete, undamaged step-N/ inside)");
     }
@@ -76,8 +81,16 @@ Checkpoints open_checkpoints(const Config& c, const Job& job, Model& built, LrSc
     start_step = static_cast<int>(resumed.step);
     const auto saved = nlohmann::json::parse(resumed.user_json);
     if (saved.contains("lr_schedule")) {  // checkpoints from before the schedule ran at a constant --lr
-      const LrSchedule from_checkpoint = LrSchedule::from_json(saved["lr_schedule"]);
-      if (!(from_checkpoint == schedule) && job.prints) {
+      LrSchedule from_checkpoint;
+      try {  // what a hand-edited manifest says is checked as the flags are
+        from_checkpoint = LrSchedule::from_json(saved["lr_schedule"]);
+        from_checkpoint.validate();
+      } catch (const std::exception& e) {
+        throw std::invalid_argument("--resume " + path + ": its learning-rate schedule (training.lr_schedule in "
+                                    "manifest.json) cannot run: " + e.what());
+      }
+      // The same schedule however long the runs (a constant rate has no horizon): no note.
+      if (from_checkpoint.describe() != schedule.describe() && job.prints) {
         std::cout << "fsdp-train: note: the checkpoint's learning-rate schedule continues (" << from_checkpoint.describe()
                   << "), not the flags' (" << schedule.describe() << "); to train on with another, start a new run "
                   << "from its weights (--load-weights)" << std::endl;

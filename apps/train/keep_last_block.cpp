@@ -15,15 +15,19 @@ bool keeps_only_by_default(const std::vector<std::string>& values) {
 
 void resolve_keep_gathered(fsdp::Options& options, torch::nn::Module& model, int world_size, int local_world_size) {
   auto& kept = options.keep_gathered_after_forward;
+  if (std::find(kept.begin(), kept.end(), "") != kept.end()) {
+    throw std::invalid_argument("--keep-gathered-after-forward '': name units (e.g. blocks.3), 'last' for the model's "
+                                "last block, or 'none'");
+  }
   const bool none = std::find(kept.begin(), kept.end(), "none") != kept.end();
   if (none && kept.size() > 1) {
     throw std::invalid_argument("--keep-gathered-after-forward none keeps no unit gathered: give it alone, or name the "
                                 "units (e.g. blocks.3) or 'last'");
   }
   if (none) kept.clear();
-  const auto last = std::find(kept.begin(), kept.end(), "last");
+  const auto last = std::remove(kept.begin(), kept.end(), "last");  // "last,last" is "last"
   if (last == kept.end()) return;
-  kept.erase(last);
+  kept.erase(last, kept.end());
   if (options.strategy != fsdp::ShardingStrategy::FULL_SHARD && options.strategy != fsdp::ShardingStrategy::HYBRID_SHARD) {
     return;  // every unit stays gathered after forward already
   }

@@ -304,7 +304,8 @@ std::string Checkpointer::save(FullyShardedDataParallelBase& model, torch::optim
 
   if (kind == StateDictKind::FULL) {
     TORCH_CHECK(!impl_->options.async, "fsdp: asynchronous saves write SHARDED or LOCAL checkpoints; a FULL one is "
-                                       "gathered through the model's own collectives and is written synchronously");
+                                       "gathered through the model's own collectives and is written synchronously: drop "
+                                       "CheckpointOptions::async (fsdp-train: --async-save), or save SHARDED checkpoints");
     const std::string tmp = impl_->prepare(dir_, state.step);
     WrittenPart written;
     const std::string err = error_of([&] { written = write_full_files(tmp, root, rs); });

@@ -2,6 +2,7 @@
 // load_model_file reads one (or a torch.save dict of tensors), each rank the elements it holds.
 #include "fsdp/checkpoint.h"
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -38,7 +39,7 @@ void load_model_file(const std::string& path, FullyShardedDataParallelBase& mode
   StagedLoad staged;
   const std::string err = error_of([&] {
     std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::runtime_error("fsdp: cannot open " + path);
+    if (!in) throw std::runtime_error("fsdp: cannot open " + path + ": " + std::strerror(errno));
     char magic[4] = {0, 0, 0, 0};
     in.read(magic, 4);
     // A torch.save file is a zip archive (a local file header, "PK\3\4"), read whole by the
