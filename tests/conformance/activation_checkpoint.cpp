@@ -10,6 +10,7 @@
 #include "live_bytes.h"
 
 namespace conformance {
+namespace activation_checkpoint {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 const auto kSgd = torch::optim::SGDOptions(0.1).momentum(0.9);
@@ -559,4 +560,5 @@ CONFORMANCE_CASE(ActivationCheckpoint, PolicyAppliedToNestedModules, 4,
   });
 }
 
+}  // namespace activation_checkpoint
 }  // namespace conformance

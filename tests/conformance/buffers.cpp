@@ -20,6 +20,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace buffers {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 // Rank 0's copy of every tensor of `state` (whole tensors of the same shape on every rank), on every rank.
 std::map<std::string, torch::Tensor> broadcast_state(Ctx& c, std::map<std::string, torch::Tensor> state) {
@@ -618,4 +619,5 @@ CONFORMANCE_CASE(Buffers, CheckpointsRestoreBuffersBitwise, 4,
   if (c.rank == 0) remove_tree(root);
 }
 
+}  // namespace buffers
 }  // namespace conformance

@@ -21,6 +21,7 @@
 #include "fsdp/activation_checkpoint.h"
 
 namespace conformance {
+namespace checkpoint_edge_cases {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 using fsdp::StateDictKind;
@@ -1164,4 +1165,5 @@ CONFORMANCE_CASE(CheckpointEdgeCases, LoadingAFileThatLacksAParameterIsRefused, 
   });
 }
 
+}  // namespace checkpoint_edge_cases
 }  // namespace conformance

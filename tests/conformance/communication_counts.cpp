@@ -9,6 +9,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace communication_counts {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 struct BlockImpl : torch::nn::Module {
@@ -309,4 +310,5 @@ CONFORMANCE_CASE(CommunicationCounts, UnshardOneUnitWhileTheUsersOwnCollectiveRu
   });
 }
 
+}  // namespace communication_counts
 }  // namespace conformance

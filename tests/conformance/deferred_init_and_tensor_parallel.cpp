@@ -16,6 +16,7 @@
 #include "fsdp/tensor_parallel.h"
 
 namespace conformance {
+namespace deferred_init_and_tensor_parallel {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 
@@ -587,4 +588,5 @@ CONFORMANCE_CASE(DeferredInitAndTensorParallel, ShardedGradScalerOnATwoDimension
   });
 }
 
+}  // namespace deferred_init_and_tensor_parallel
 }  // namespace conformance

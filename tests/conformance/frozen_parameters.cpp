@@ -11,6 +11,7 @@
 #include "fsdp/activation_checkpoint.h"
 
 namespace conformance {
+namespace frozen_parameters {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 bool is_bias(const std::string& name) { return name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0; }
@@ -556,4 +557,5 @@ CONFORMANCE_CASE(Frozen, FrozenUnitFedAnInputWithoutGradTrainsLikeOneLeftOutOfTh
   });
 }
 
+}  // namespace frozen_parameters
 }  // namespace conformance

@@ -10,6 +10,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace gradients_and_optimizers {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 struct MlpImpl : torch::nn::Module {
@@ -328,4 +329,5 @@ CONFORMANCE_CASE(GradientsAndOptimizers, OptimizerBuiltBeforeWrapping, 4,
   });
 }
 
+}  // namespace gradients_and_optimizers
 }  // namespace conformance

@@ -16,6 +16,7 @@
 #include "live_bytes.h"
 
 namespace conformance {
+namespace lifecycle {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 const auto kSgd = torch::optim::SGDOptions(0.1).momentum(0.9);
@@ -519,4 +520,5 @@ CONFORMANCE_CASE(Lifecycle, SubmoduleRegisteredAfterWrappingIsRefused, 4,
   });
 }
 
+}  // namespace lifecycle
 }  // namespace conformance

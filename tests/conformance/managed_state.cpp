@@ -3,6 +3,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace managed_state {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 // One Linear registered twice (as "first" and "again"), one buffer registered in two modules, and a
@@ -129,4 +130,5 @@ CONFORMANCE_CASE(ManagedState, ParameterStorageReplacedBetweenForwardAndBackward
   });
 }
 
+}  // namespace managed_state
 }  // namespace conformance

@@ -18,6 +18,7 @@
 #include "fsdp/grad_scaler.h"
 
 namespace conformance {
+namespace mixed_precision {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 // A residual block of two Linears, a unit of its own.
@@ -859,4 +860,5 @@ CONFORMANCE_CASE(MixedPrecision, EMACopyEvaluatesWithThisStepsWeights, 4,
   });
 }
 
+}  // namespace mixed_precision
 }  // namespace conformance

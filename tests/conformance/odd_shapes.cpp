@@ -5,6 +5,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace odd_shapes {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 // A 17 x 257 weight and its 17-element bias: one unit of 4386 elements (4 ranks: 1096.5 each).
@@ -137,4 +138,5 @@ CONFORMANCE_CASE(OddShapes, HpZWithUnitsSmallerThanTheSecondaryGroup, 4,
   }
 }
 
+}  // namespace odd_shapes
 }  // namespace conformance

@@ -7,6 +7,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace regressions {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 // A block: a 3x3 convolution (its own, or one shared with another block) and its own 1x1 one.
@@ -330,4 +331,5 @@ CONFORMANCE_CASE(Regressions, StepInsideUnshardAfterItsBackwardIsRefused, 4,
   });
 }
 
+}  // namespace regressions
 }  // namespace conformance

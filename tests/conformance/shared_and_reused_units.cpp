@@ -15,6 +15,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace shared_and_reused_units {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 void expect_nothing_gathered(Ctx& c, fsdp::FullyShardedDataParallelBase& model, const std::string& when) {
@@ -687,4 +688,5 @@ CONFORMANCE_CASE(SharedAndReusedUnits, EachRankRoutesThroughADifferentExpertOfOn
   });
 }
 
+}  // namespace shared_and_reused_units
 }  // namespace conformance

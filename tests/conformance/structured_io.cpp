@@ -7,6 +7,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace structured_io {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 constexpr double kBf16Tol = 2e-2;  // bf16 keeps 8 bits: a few roundings of 0.4 % on the way to a loss of ~1
@@ -306,4 +307,5 @@ CONFORMANCE_CASE(StructuredIO, UnitsHandEachOtherVectorsAndDictsOfTensors, 4,
   });
 }
 
+}  // namespace structured_io
 }  // namespace conformance

@@ -10,6 +10,7 @@
 #include "live_bytes.h"
 
 namespace conformance {
+namespace summon_full_params {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 // A unit (inner) and the root (head), as the peer's Sequential(FSDP(Linear(5, 5)), Linear(5, 3)).
@@ -646,4 +647,5 @@ CONFORMANCE_CASE(SummonFullParams, UnshardOfARootWithoutParametersBeforeAnyForwa
   });
 }
 
+}  // namespace summon_full_params
 }  // namespace conformance

@@ -11,6 +11,7 @@
 #include "conformance.h"
 
 namespace conformance {
+namespace wrap_policies {  // its own names: scenario files reuse Mlp, Block, Net (unity builds)
 namespace {
 
 std::string unit_names(const std::vector<fsdp::UnitInfo>& units) {
@@ -716,4 +717,5 @@ CONFORMANCE_CASE(WrapPolicies, ReplicatedIgnoredChildWhoseGradientsTheUserAverag
   });
 }
 
+}  // namespace wrap_policies
 }  // namespace conformance
