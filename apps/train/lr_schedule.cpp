@@ -81,10 +81,6 @@ LrSchedule LrSchedule::from_json(const nlohmann::json& j) {
   return s;
 }
 
-bool LrSchedule::operator==(const LrSchedule& o) const {
-  return kind == o.kind && peak == o.peak && warmup_steps == o.warmup_steps && min_lr == o.min_lr && horizon == o.horizon;
-}
-
 LrSchedule lr_schedule_of(const Config& c) {
   LrSchedule s{c.lr_schedule, c.lr, c.warmup_steps, c.min_lr, c.steps};
   s.validate();

@@ -25,7 +25,6 @@ struct LrSchedule {
   std::string describe() const;  // "0.002", "cosine from 0.002 to 0.0002 over 300 steps, 30 of warmup"
   nlohmann::json to_json() const;
   static LrSchedule from_json(const nlohmann::json& j);
-  bool operator==(const LrSchedule& o) const;
 };
 
 // The shortest text that reads back as exactly `v` ("0.004", not 0.0040000000000000001): how the
