@@ -5,12 +5,17 @@
 // that names the call and what to do.
 //
 // fsdp-conformance is one rank of such a scenario:
-//   fsdp-conformance --list                        every scenario: "Suite.Name world_size" per line
+//   fsdp-conformance --list                        every scenario: "Suite.Name world_size file" per line
 //   fsdp-conformance --peers                       "Suite.Name<TAB>peer" per line: the map rows ("#117")
 //                                                  and peer tests it ports (docs/conformance.md)
-//   fsdp-conformance --case Suite.Name --nproc-per-node W --out PREFIX
-// Each rank writes PREFIX.<rank>.json: {"case", "rank", "failures": [...], "figures": {...}}.
-// tests/conformance/test_conformance.cpp makes one gtest test of each scenario.
+//   fsdp-conformance --case Suite.Name[,Suite.Other...] --nproc-per-node W --out PREFIX
+// The ranks run the scenarios one after another in one process each (a process start and a
+// rendezvous cost more than most scenarios), from the same fresh generator seed, agreeing on which
+// scenario comes next before each. After each, every rank writes PREFIX.<Suite.Name>.<rank>.json:
+// {"case", "rank", "failures": [...], "figures": {...}}; a scenario after which the ranks no longer
+// agree ends the run there.
+// tests/conformance/test_conformance.cpp makes one gtest test of each scenario; ctest runs one
+// source file's scenarios per test (test_conformance --file STEM).
 #pragma once
 
 #include <cstdint>
@@ -104,6 +109,7 @@ struct Case {
   int world = 4;
   std::string peer;  // the peer test(s) it ports
   CaseFn fn;
+  std::string file;  // the source file's stem ("activation_checkpoint"): ctest runs a file's scenarios together
   std::string full_name() const { return suite + "." + name; }
 };
 int register_case(Case c);
@@ -115,5 +121,5 @@ const std::vector<Case>& cases();
 #define CONFORMANCE_CASE(Suite, Name, World, Peer)                                                         \
   static void Suite##_##Name(::conformance::Ctx& c);                                                      \
   [[maybe_unused]] static const int Suite##_##Name##_registered =                                         \
-      ::conformance::register_case({#Suite, #Name, World, Peer, Suite##_##Name});                         \
+      ::conformance::register_case({#Suite, #Name, World, Peer, Suite##_##Name, __FILE__});                         \
   static void Suite##_##Name([[maybe_unused]] ::conformance::Ctx& c)

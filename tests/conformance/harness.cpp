@@ -205,6 +205,11 @@ std::vector<Case>& registry() {
 }  // namespace
 
 int register_case(Case c) {
+  // __FILE__ to its stem: "/.../tests/conformance/activation_checkpoint.cpp" -> "activation_checkpoint".
+  const auto slash = c.file.find_last_of('/');
+  if (slash != std::string::npos) c.file = c.file.substr(slash + 1);
+  const auto dot = c.file.rfind('.');
+  if (dot != std::string::npos) c.file = c.file.substr(0, dot);
   registry().push_back(std::move(c));
   return static_cast<int>(registry().size());
 }
