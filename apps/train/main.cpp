@@ -44,6 +44,8 @@ int main(int argc, char** argv) {
     if (launcher && c.max_restarts > 0 && !c.live_replicas && c.save_dir.empty() && c.run_dir == "auto") {
       args.insert(args.end(), {"--run-dir", train::default_run_dir(c)});
     }
+    // Neither launched nor asked to launch: one local rank, started as --nproc-per-node 1 starts it.
+    if (launcher && c.nproc <= 0 && !c.live_replicas) args.insert(args.end(), {"--nproc-per-node", "1"});
     std::vector<char*> pointers;
     for (auto& a : args) pointers.push_back(a.data());
     if (launcher && c.live_replicas) {
@@ -56,11 +58,14 @@ int main(int argc, char** argv) {
       // This process: the coordinator and the launcher (fsdp/live_manager.h).
       return fsdp::launch_live_local(static_cast<int>(pointers.size()), pointers.data()).value_or(1);
     }
-    if (auto code = fsdp::maybe_launch_local(static_cast<int>(pointers.size()), pointers.data())) return *code;
+    int rank_argc = static_cast<int>(pointers.size());
+    char** rank_argv = pointers.data();
+    if (auto code = fsdp::maybe_launch_local(&rank_argc, &rank_argv)) return *code;
     if (launcher) {
-      // Neither launched nor asked to launch: one local rank.
-      args[0] = "/proc/self/exe";
-      return fsdp::launch_local(1, args, 0, c.max_restarts);
+      // A rank forked from this launcher: its command line is the launcher's without its flags.
+      train::Config rank;
+      if (auto code = train::parse_cli(rank_argc, rank_argv, rank)) return *code;
+      return train::train(rank);
     }
     return train::train(c);
   } catch (const fsdp::LeftOutOfJob& e) {

@@ -1,5 +1,7 @@
 #include "fsdp/launch.h"
 
+#include "comm/launching.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -9,6 +11,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -16,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -63,20 +68,33 @@ namespace {
 // One start of the job: its store, its ranks, and the supervision until every rank ended.
 // Returns 0 or the first failure's exit code. With RestartScope::rank a failed rank is started
 // again alone while `*restarts` < max_restarts (counted across the job), and nobody is stopped.
+// `forked`: the first start's ranks, already forked and waiting for the store's port.
+using launching::Forked;
+
 int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, int* restarts, int max_restarts,
-              RestartScope scope, const std::function<bool()>& job_running) {
+              RestartScope scope, const std::function<bool()>& job_running, Forked* forked) {
   // The job's store, hosted here on a port the kernel picks and this process holds for the job's
   // whole life; the ranks connect to it as clients (kStoreHostedEnv). Picking a free port and
   // letting rank 0 bind it later raced with the sockets of jobs running beside this one (a test
   // failed once with "rank 0 could not host the store"). A restart gets a fresh store: the keys
   // of the failed start (its process groups' rendezvous) must not be found by the new ranks.
   c10::intrusive_ptr<c10d::TCPStore> store;
-  if (master_port == 0) {
+  const bool hosted = master_port == 0;
+  if (hosted) {
     c10d::TCPStoreOptions so;
     so.port = 0;
     so.isServer = true;
     so.waitWorkers = false;
-    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    } catch (...) {
+      // Forked ranks waiting for a port see their pipe close and end; they are reaped here.
+      if (forked != nullptr) {
+        for (int w : forked->port_pipes) ::close(w);
+        for (pid_t p : forked->pids) ::waitpid(p, nullptr, 0);
+      }
+      throw;
+    }
     master_port = store->getPort();
   }
 
@@ -96,16 +114,9 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
   // coordinator's), and a forked child may only exec.
   auto spawn = [&](int r) {
     std::vector<std::string> e = inherited;
-    e.push_back("RANK=" + std::to_string(r));
-    e.push_back("LOCAL_RANK=" + std::to_string(r));
-    e.push_back("WORLD_SIZE=" + std::to_string(nproc));
-    e.push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
-    e.push_back("MASTER_ADDR=127.0.0.1");
-    e.push_back("MASTER_PORT=" + std::to_string(master_port));
-    // As torchrun names them: a program resumes from its newest checkpoint when restarted.
-    e.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(*restarts));
-    e.push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
-    if (store) e.push_back(std::string(kStoreHostedEnv) + "=1");
+    for (const auto& [key, value] : launching::rank_environment(r, nproc, master_port, hosted, *restarts, max_restarts)) {
+      e.push_back(key + "=" + value);
+    }
     std::vector<char*> env;
     for (auto& v : e) env.push_back(const_cast<char*>(v.c_str()));
     env.push_back(nullptr);
@@ -121,7 +132,22 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
   };
 
   std::vector<pid_t> pids;
-  for (int r = 0; r < nproc; ++r) pids.push_back(spawn(r));
+  if (forked != nullptr && !forked->pids.empty()) {
+    // They wait for the port (and with it, their environment); a restart spawns anew.
+    const int32_t port = master_port;
+    for (int w : forked->port_pipes) {
+      if (::write(w, &port, sizeof(port)) != static_cast<ssize_t>(sizeof(port))) {
+        std::cerr << "fsdp launcher: could not pass the store's port to a forked rank: " << std::strerror(errno)
+                  << std::endl;
+      }
+      ::close(w);
+    }
+    pids = std::move(forked->pids);
+    forked->pids.clear();
+    forked->port_pipes.clear();
+  } else {
+    for (int r = 0; r < nproc; ++r) pids.push_back(spawn(r));
+  }
 
   // When a rank fails, the launcher says which and how, then gives the others a grace period to
   // notice it on their own (their collectives fail as soon as the peer's sockets close) and report
@@ -197,14 +223,37 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
 
 }  // namespace
 
-int launch_local(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts,
-                 RestartScope scope, const std::function<bool()>& job_running) {
+namespace launching {
+
+// What the launcher sets in a rank's environment, as torchrun names it.
+std::vector<std::pair<std::string, std::string>> rank_environment(int r, int nproc, int master_port, bool hosted,
+                                                                  int restarts, int max_restarts) {
+  std::vector<std::pair<std::string, std::string>> e{
+      {"RANK", std::to_string(r)},
+      {"LOCAL_RANK", std::to_string(r)},
+      {"WORLD_SIZE", std::to_string(nproc)},
+      {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+      {"MASTER_ADDR", "127.0.0.1"},
+      {"MASTER_PORT", std::to_string(master_port)},
+      // A program resumes from its newest checkpoint when restarted.
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restarts)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(max_restarts)}};
+  if (hosted) e.emplace_back(kStoreHostedEnv, "1");
+  return e;
+}
+
+void check_launch(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts,
+                  RestartScope scope) {
   if (nproc < 1) throw std::invalid_argument("fsdp: --nproc-per-node must be at least 1");
   if (argv.empty()) throw std::invalid_argument("fsdp: launch_local needs a program to run");
   if (max_restarts < 0) throw std::invalid_argument("fsdp: --max-restarts must be 0 or more");
   if (scope == RestartScope::rank && master_port == 0) {
     throw std::invalid_argument("fsdp: restarting single ranks needs the coordinator's store (a master_port)");
   }
+}
+
+int launch_checked(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts,
+                   RestartScope scope, const std::function<bool()>& job_running, Forked* forked) {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   struct sigaction old_int {}, old_term {};
@@ -213,7 +262,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
   int code = 0;
   int restarts = 0;
   while (true) {
-    code = run_ranks(nproc, argv, master_port, &restarts, max_restarts, scope, job_running);
+    code = run_ranks(nproc, argv, master_port, &restarts, max_restarts, scope, job_running, forked);
     // Done, interrupted (a person's ^C is not a failure to recover from), out of restarts, or
     // restarted rank by rank already.
     if (code == 0 || g_stop_signal != 0 || restarts >= max_restarts || scope == RestartScope::rank) break;
@@ -226,11 +275,11 @@ int launch_local(int nproc, const std::vector<std::string>& argv, int master_por
   return code;
 }
 
-std::optional<int> maybe_launch_local(int argc, char** argv, int master_port, RestartScope scope,
-                                      const std::function<bool()>& job_running) {
-  std::vector<std::string> rest{"/proc/self/exe"};
-  int nproc = -1;
-  int max_restarts = 0;
+LaunchFlags launch_flags(int argc, char** argv) {
+  LaunchFlags f;
+  auto& rest = f.rest;
+  auto& nproc = f.nproc;
+  auto& max_restarts = f.max_restarts;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     std::string value;
@@ -263,8 +312,23 @@ std::optional<int> maybe_launch_local(int argc, char** argv, int master_port, Re
     }
     nproc = static_cast<int>(n);
   }
-  if (nproc < 0) return std::nullopt;
-  return launch_local(nproc, rest, master_port, max_restarts, scope, job_running);
+  return f;
 }
+
+}  // namespace launching
+
+int launch_local(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts,
+                 RestartScope scope, const std::function<bool()>& job_running) {
+  launching::check_launch(nproc, argv, master_port, max_restarts, scope);
+  return launching::launch_checked(nproc, argv, master_port, max_restarts, scope, job_running, nullptr);
+}
+
+std::optional<int> maybe_launch_local(int argc, char** argv, int master_port, RestartScope scope,
+                                      const std::function<bool()>& job_running) {
+  const launching::LaunchFlags f = launching::launch_flags(argc, argv);
+  if (f.nproc < 0) return std::nullopt;
+  return launch_local(f.nproc, f.rest, master_port, f.max_restarts, scope, job_running);
+}
+
 
 }  // namespace fsdp

@@ -173,6 +173,9 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void end_iteration(bool keep_graph = false);
   // Whether a graph still references a parameter that needs a gradient: a backward can come.
   bool graph_alive() const;
+  // `tensor` views unit h's gathered buffer while h is back on its shard: a shallow copy of a
+  // parameter (p.data()) taken while it was gathered.
+  static bool points_at_freed_gathered(const FlatParamHandle& h, const at::Tensor& tensor);
   // FORWARD_DONE with every graph through the units gone: the forwards were abandoned, their
   // iteration ends (IDLE).
   void end_abandoned_forward();

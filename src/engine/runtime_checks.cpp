@@ -32,7 +32,7 @@ void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::T
                   "' inside an unshard() scope, where it holds the gathered copy (the optimizer steps this rank's "
                   "shard). End the unshard() scope before the optimizer step.");
   }
-  if (!h.guarded()) return;  // F = 1 at rest: whole parameters, nothing to check
+  if (!h.guarded() && !points_at_freed_gathered(h, tensor)) return;  // F = 1 at rest: whole parameters
   touch::Suppress own_work;  // our own set_data and copies below must not come back here
   check_not_failed();
   const size_t param = h.param_at(tensor);
@@ -46,6 +46,21 @@ void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::T
           "yet (a forward's output, or a graph built from it, is still alive). Run backward first, or drop the outputs "
           "of forwards you will not backward (or run them under torch::NoGradGuard), then step.");
     }
+  }
+  if (points_at_freed_gathered(h, tensor)) {
+    // A shallow copy of the parameter (p.data(), which libtorch's SGD takes for its weight decay
+    // and update) made while its unit was gathered, reaching an operator after the unit went back
+    // to its shard: just now (the forward above was abandoned) or at its backward. It aliases the
+    // parameter, as it would in local training, so it follows it to the shard.
+    const FlatParamEntry& entry = h.layout().entries()[param];
+    if (tensor.sizes() != c10::IntArrayRef(entry.shape) ||
+        tensor.storage_offset() != h.unsharded().storage_offset() + entry.offset) {
+      throw Refusal("fsdp: " + name + " reads a view of parameter '" + fqn + "' taken while its unit was gathered "
+                    "for a forward, after the unit went back to this rank's shard (its backward ran, or the forward's "
+                    "output was dropped): the gathered copy it viewed is freed. Take views of parameters after the "
+                    "step, or inside summon_full_params() for whole values.");
+    }
+    tensor.set_data(h.params()[param]);
   }
   if (h.state() == HandleState::SHARDED && comm_.mesh().shard_size > 1 && name == "aten::clone" &&
       tensor.unsafeGetTensorImpl() == h.params()[param].unsafeGetTensorImpl()) {
@@ -140,6 +155,11 @@ void Runtime::fail(const std::string& what, size_t unit) {
     if (failure_.rfind("fsdp:", 0) != 0) failure_ = "fsdp: unit '" + comm_.unit_name(static_cast<int>(unit)) + "': " + failure_;
   }
   units_[unit]->handle().poison();
+}
+
+bool Runtime::points_at_freed_gathered(const FlatParamHandle& h, const at::Tensor& tensor) {
+  return h.state() == HandleState::SHARDED && h.has_unsharded_buffer() && tensor.has_storage() &&
+         tensor.storage().unsafeGetStorageImpl() == h.unsharded_storage();
 }
 
 bool Runtime::graph_alive() const {

@@ -11,11 +11,6 @@
 #include "fault_tolerance/value_signing.h"
 
 namespace fsdp {
-namespace {
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
-}  // namespace
 
 namespace detail {
 
@@ -31,7 +26,7 @@ c10::intrusive_ptr<c10d::TCPStore> coordinator_client(const LaunchEnv& env, std:
     throw std::runtime_error("fsdp: rank " + std::to_string(env.rank) + " cannot reach the live replicas' coordinator at " +
                              env.master_addr + ":" + std::to_string(env.master_port) +
                              ": start fsdp-coordinator there first (MASTER_ADDR/MASTER_PORT name it). (" +
-                             first_line(e.what()) + ")");
+                             detail::first_line_of(e.what()) + ")");
   }
 }
 
@@ -41,7 +36,7 @@ void LiveReplicas::Impl::lost(const std::string& what, const std::exception& e) 
   throw std::runtime_error("fsdp: " + who() + " " + what + " the live replicas' coordinator at " + env.master_addr + ":" +
                            std::to_string(env.master_port) + ": it is gone or unreachable, and with it who is in each "
                            "step: restart the job from its newest checkpoint (scripts/cluster --max-restarts does). (" +
-                           first_line(e.what()) + ")");
+                           detail::first_line_of(e.what()) + ")");
 }
 
 std::optional<std::string> LiveReplicas::Impl::read(const std::string& k) {

@@ -29,6 +29,11 @@
 
 namespace fsdp {
 
+namespace detail {
+// The first line of an error (a c10 error's message carries its backtrace after it).
+inline std::string first_line_of(const std::string& s) { return s.substr(0, s.find('\n')); }
+}  // namespace detail
+
 struct LiveReplicas::Impl {
   using Clock = std::chrono::steady_clock;
 

@@ -24,7 +24,6 @@ using detail::kLivePrefix;
 using detail::Round;
 
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 }  // namespace
 
@@ -258,7 +257,7 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
       s.round = Round::from_json(nlohmann::json::parse(decision));
     } catch (const std::exception& e) {
       throw std::runtime_error("fsdp: rank " + s.me() + ": round " + std::to_string(s.next_round) + " in the store ('" +
-                               decision.substr(0, 80) + "') is not a decision the coordinator wrote: " + first_line(e.what()));
+                               decision.substr(0, 80) + "') is not a decision the coordinator wrote: " + detail::first_line_of(e.what()));
     }
     if (!s.round.has(s.replica)) {
       const bool sitting_out = std::count(s.round.sitting_out.begin(), s.round.sitting_out.end(), s.replica) > 0;
@@ -291,7 +290,7 @@ LiveRound LiveReplicas::next_round(int64_t held_step, const std::vector<at::Tens
         }
       }
     } catch (const std::exception& e) {
-      s.discard(first_line(e.what()));
+      s.discard(detail::first_line_of(e.what()));
       continue;
     }
     out.number = s.round.number;
@@ -318,7 +317,7 @@ bool LiveReplicas::average(std::vector<at::Tensor>& tensors, std::string* why) {
     detail::unpack(packed, tensors);
     return true;
   } catch (const std::exception& e) {
-    if (why) *why = first_line(e.what());
+    if (why) *why = detail::first_line_of(e.what());
     return false;
   }
 }
@@ -332,7 +331,7 @@ bool LiveReplicas::agree(at::Tensor& values, std::string* why) {
     s.wait_or_abandon(s.group->allreduce(one, o));
     return true;
   } catch (const std::exception& e) {
-    if (why) *why = first_line(e.what());
+    if (why) *why = detail::first_line_of(e.what());
     return false;
   }
 }

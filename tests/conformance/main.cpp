@@ -78,7 +78,7 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
+    if (auto code = fsdp::maybe_launch_local(&argc, &argv)) return *code;  // a rank goes on, forked
     return run(argc, argv);
   } catch (const c10::Error& e) {
     std::cerr << (std::string("fsdp-conformance: error: ") + e.what_without_backtrace() + "\n") << std::flush;

@@ -3,7 +3,9 @@
 //   two wrapped models in one process (the official libtorch DCGAN example's loop);
 //   an Embedding built with sparse(true);
 //   an optimizer step inside an unshard() scope after a backward inside it (silently skipped every
-//   parameter: its gradients wait for the scope's end).
+//   parameter: its gradients wait for the scope's end);
+//   a forward whose output is dropped between the backward and the step (libtorch's SGD failed on
+//   the root's parameters with a size mismatch: its p.data() copies still held the gathered ones).
 #include "conformance.h"
 
 namespace conformance {
@@ -329,6 +331,69 @@ CONFORMANCE_CASE(Regressions, StepInsideUnshardAfterItsBackwardIsRefused, 4,
     }
     expect_same_model(c, model, *mine, *local, tol);
   });
+}
+
+// A loop that runs one more forward with grad between backward and step (a peek at the training
+// accuracy, say) and drops its output: no backward will come, and the step must update the shards
+// as in local training. The root holds parameters (stem, head), which forward leaves gathered for
+// backward; SGD's weight decay and update go through p.data(), shallow copies taken while they are
+// still gathered, Adam's through the parameters themselves.
+CONFORMANCE_CASE(Regressions, AForwardWhoseOutputIsDroppedBeforeTheStep, 4,
+                 "outside review of issue 38 (SGD: c10 size mismatch 16 vs 145 when the root holds parameters)") {
+  for (const bool adam : {false, true}) {
+    auto variants = every_strategy(c, /*bf16=*/true);
+    for (auto& v : variants) v.name += adam ? ", Adam" : ", SGD";
+    for_each(c, variants, [&](const Variant& v) {
+      torch::manual_seed(0);
+      TiedCNN mine(8, false);
+      torch::manual_seed(0);
+      TiedCNN local(8, false);
+      fsdp::Options o = v.options;
+      o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
+      fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
+      std::unique_ptr<torch::optim::Optimizer> optim, local_optim;
+      if (adam) {
+        optim = std::make_unique<torch::optim::Adam>(model.parameters(), torch::optim::AdamOptions(1e-3).weight_decay(0.01));
+        local_optim = std::make_unique<torch::optim::Adam>(unique_parameters(*local), torch::optim::AdamOptions(1e-3).weight_decay(0.01));
+      } else {
+        const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01);
+        optim = std::make_unique<torch::optim::SGD>(model.parameters(), sgd);
+        local_optim = std::make_unique<torch::optim::SGD>(unique_parameters(*local), sgd);
+      }
+      const double tol = v.mixed_precision() ? 2e-2 : 1e-5;
+      for (int step = 0; step < 4; ++step) {
+        const auto x = randn(100 + step, {8, 3, 8, 8});
+        const auto y = randint(200 + step, 10, {8});
+        optim->zero_grad();
+        double loss = 0;
+        {
+          // (The loss goes with its scope: a backwarded graph still held keeps fsdp from telling
+          // that the next forward was dropped, which is left open.)
+          auto l = torch::cross_entropy_loss(model(my_rows(c, x)), my_rows(c, y));
+          l.backward();
+          loss = global_mean(c, l.to(torch::kFloat).item().toDouble());
+        }
+        double peek = 0, local_peek = 0;
+        {
+          auto out = model(my_rows(c, x));  // with grad, never backwarded
+          peek = global_mean(c, out.to(torch::kFloat).argmax(1).eq(my_rows(c, y)).to(torch::kFloat).mean().item().toDouble());
+        }
+        optim->step();
+        local_optim->zero_grad();
+        auto local_loss = torch::cross_entropy_loss(local->forward(x), y);
+        local_loss.backward();
+        {
+          auto out = local->forward(x);
+          local_peek = out.argmax(1).eq(y).to(torch::kFloat).mean().item().toDouble();
+        }
+        local_optim->step();
+        const std::string at = " at step " + std::to_string(step);
+        c.expect_near("loss" + at, loss, local_loss.item().toDouble(), tol);
+        c.expect_near("accuracy of the dropped forward" + at, peek, local_peek, v.mixed_precision() ? 0.25 : 1e-6);
+      }
+      expect_same_model(c, model, *mine, *local, tol);
+    });
+  }
 }
 
 }  // namespace regressions

@@ -47,7 +47,7 @@ int run(const Args& a) {
 
 int main(int argc, char** argv) {
   try {
-    if (auto code = fsdp::maybe_launch_local(argc, argv)) return *code;
+    if (auto code = fsdp::maybe_launch_local(&argc, &argv)) return *code;  // a rank goes on, forked
     return worker::run(worker::parse(argc, argv));
   } catch (const c10::Error& e) {
     // One write per line: ranks share the terminal.
