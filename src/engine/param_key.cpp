@@ -55,6 +55,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   c10::impl::ExcludeDispatchKeyGuard nested(kKey);
   try {
     op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
+    // Autograd (below this key) has recorded the operator: its node belongs to the forward.
+    if (in_pass && c10::GradMode::is_enabled()) touch::note_forward_outputs(op, *stack);
   } catch (const c10::Error& e) {
     if (!dtypes.mixed()) throw;
     // A tensor that reached a unit in another dtype than its parameters compute in: under mixed

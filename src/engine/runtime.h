@@ -215,6 +215,10 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   bool pending_before_forward_ = false;
   bool retained_ = false;               // a backward kept its graph and it lives: it may be backwarded again
   std::vector<std::weak_ptr<torch::autograd::Node>> retained_refs_;  // that graph's AccumulateGrad nodes
+  // This iteration's forwards' nodes (touch::set_forward_nodes): whether a backward can still come.
+  std::vector<std::weak_ptr<void>> forward_nodes_;
+  std::vector<std::weak_ptr<void>>* outer_forward_nodes_ = nullptr;  // an outer root's, restored at the end
+  bool forward_checkpointed_ = false;  // a checkpointed forward touched a unit: its nodes come in backward
   std::optional<size_t> current_unit_;  // the non-root unit that forward is in now
   std::vector<size_t> reduce_fifo_;     // units with a reduction in flight, in issue order
   ExecutionOrder order_;

@@ -214,6 +214,8 @@ void Runtime::end_iteration(bool keep_graph) {
     units_[u]->end_iteration(keep_graph);
   }
   backward_pending_ = false;
+  forward_nodes_.clear();
+  forward_checkpointed_ = false;
   // A graph that lives on (kept by retain_graph, or another forward's not backwarded yet) can be
   // backwarded later, across other iterations: its nodes are kept (weakly) while it lives.
   for (Unit* unit : units_) {

@@ -3,6 +3,7 @@
 // still be backwarded; parameters replaced behind fsdp's back; operators reaching a guarded
 // parameter from outside the root's passes (param_guard.h); and the end-of-backward comparison of
 // the collectives every rank issued.
+#include <algorithm>
 #include <stdexcept>
 
 #include <torch/csrc/autograd/engine.h>
@@ -163,6 +164,13 @@ bool Runtime::points_at_freed_gathered(const FlatParamHandle& h, const at::Tenso
 }
 
 bool Runtime::graph_alive() const {
+  // The forwards' own nodes where they are known: the key's fallback notes them (not the
+  // RECORD_FUNCTION detection), and a checkpointed forward builds its nodes only in backward.
+  // The parameters' AccumulateGrad nodes below are alive as long as any graph through them is,
+  // one already backwarded too (a loss still in scope).
+  if (!forward_nodes_.empty() && !forward_checkpointed_) {
+    return std::any_of(forward_nodes_.begin(), forward_nodes_.end(), [](const auto& n) { return !n.expired(); });
+  }
   for (const Unit* unit : units_) {
     if (unit->graph_alive()) return true;
   }

@@ -35,6 +35,7 @@ void Runtime::begin_forward() {
   pending_before_forward_ = backward_pending_;
   comm_.set_backward_pass(false);
   touch::enter_forward();
+  outer_forward_nodes_ = touch::set_forward_nodes(&forward_nodes_);
 }
 
 void Runtime::forward_begins(size_t u) {
@@ -55,6 +56,7 @@ void Runtime::forward_ends(size_t u) {
 
 void Runtime::end_forward(bool ok) {
   touch::leave_forward();
+  touch::set_forward_nodes(outer_forward_nodes_);
   const auto closes = c10::make_scope_exit([this] { close_owned_phase(owns_forward_phase_, fsdp::StepPhase::FORWARD); });
   // Its last operator has run; every unit deferred is freed below with the rest (or stays for
   // backward, as any unit of a strategy that does not reshard after forward).

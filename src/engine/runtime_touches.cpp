@@ -100,6 +100,7 @@ void Runtime::touched(size_t u, const c10::TensorImpl* tensor, bool builds_graph
       if (c10::GradMode::is_enabled()) {
         touch::pin_for_operator(units_[u]->expect_grad(tensor));
       } else if (touch::checkpointed_forward()) {
+        forward_checkpointed_ = true;
         // Checkpointed (activation_checkpoint.h): no graph now, but the recomputation will build
         // one through this parameter. Expect its gradient as a graph would, and keep the node
         // that will accumulate it alive with the checkpoint, as a graph would.

@@ -4,6 +4,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/record_function.h>
@@ -37,6 +38,7 @@ thread_local int t_forward_depth = 0;  // roots whose forward this thread is in 
 thread_local CheckpointScope::Kind t_checkpoint = CheckpointScope::NONE;
 thread_local std::vector<std::shared_ptr<void>>* t_keep_alive = nullptr;
 thread_local std::vector<std::shared_ptr<void>>* t_operator_pins = nullptr;
+thread_local std::vector<std::weak_ptr<void>>* t_forward_nodes = nullptr;  // the root forward's (set_forward_nodes)
 // RECORD_FUNCTION: how deep in operator calls this thread is (the callback sees the operators a
 // composite calls, unlike the key's fallback, which excludes them).
 thread_local int t_operator_depth = 0;
@@ -233,6 +235,27 @@ void disarm(TouchSink* sink) {
 Suppress::Suppress() : previous_(t_in_callback) { t_in_callback = true; }
 Suppress::~Suppress() { t_in_callback = previous_; }
 bool suppressed() { return t_in_callback; }
+
+std::vector<std::weak_ptr<void>>* set_forward_nodes(std::vector<std::weak_ptr<void>>* nodes) {
+  return std::exchange(t_forward_nodes, nodes);
+}
+
+void note_forward_outputs(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  if (t_forward_nodes == nullptr || t_forward_depth == 0 || t_in_callback) return;
+  const size_t n = std::min(op.schema().returns().size(), stack.size());
+  auto note = [](const at::Tensor& t) {
+    if (!t.defined()) return;
+    if (const auto& node = t.grad_fn()) t_forward_nodes->emplace_back(node);
+  };
+  for (size_t i = stack.size() - n; i < stack.size(); ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor()) {
+      note(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) note(t);
+    }
+  }
+}
 
 void enter_forward() { ++t_forward_depth; }
 void leave_forward() {

@@ -104,6 +104,16 @@ class OperatorPins {
 };
 void pin_for_operator(std::shared_ptr<void> node);
 
+// The graph nodes of a root's forward: every node an operator taking a unit's parameter (or a view
+// of one) recorded while the forward ran, noted by the key's fallback once the operator returned.
+// While one lives, a backward can still reach the units; once all are gone (the outputs and all
+// built from them dropped), none can, whatever older graphs already backwarded still hold (a loss
+// kept in scope holds the parameters' AccumulateGrad nodes). The runtime points this thread at its
+// list for the forward (set_forward_nodes returns the list it replaces, restored at its end).
+std::vector<std::weak_ptr<void>>* set_forward_nodes(std::vector<std::weak_ptr<void>>* nodes);
+// After a keyed operator returned inside a root's forward: notes the grad_fn of each of its outputs.
+void note_forward_outputs(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+
 // While alive, operators run by this thread are not inspected: the runtime's own work (collectives,
 // copies into its buffers) must not be mistaken for the model touching a unit. suppressed(): one is.
 class Suppress {
