@@ -73,6 +73,11 @@ struct CoordinatorOptions {
   // true when none can come (the local launcher is out of --max-restarts with a rank down); the
   // job is then lost at once instead of after empty_timeout.
   std::function<bool()> replacements_exhausted;
+  // How many ranks are down for good (failed with no restart left; the local launcher counts
+  // them). Before the first round, once fewer groups than the job's minimum could still have every
+  // rank (each rank down takes its group with it), the job is lost at once instead of after
+  // start_timeout. Unset: nothing is known.
+  std::function<int()> ranks_down_for_good;
   // Called once the job's end is decided, before the coordinator lingers for the last ranks: with
   // 0 when every step was trained, 1 when no group with the job's state is left.
   std::function<void(int verdict)> on_end;

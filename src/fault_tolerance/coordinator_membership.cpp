@@ -163,12 +163,23 @@ bool Coordinator::first_round(Round& round) {
     // A rank down for good (refused, or failed with no restarts left): its group never completes,
     // so the groups that are complete start (a slower healthy one joins them later).
     if (enough && options_.replacements_exhausted && options_.replacements_exhausted()) break;
-    if (Clock::now() - start > options_.start_timeout) {
+    // Ranks down for good before any group started (refused at their first step, or failed with no
+    // restart left): a group with one of them never completes. At most down / F groups lose one.
+    const int down = options_.ranks_down_for_good ? options_.ranks_down_for_good() : 0;
+    const int could = replicas_ - (down + config_.ranks_per_replica - 1) / config_.ranks_per_replica;
+    const bool hopeless = down > 0 && could < std::max(1, config_.min_replicas);
+    if (hopeless || Clock::now() - start > options_.start_timeout) {
       if (enough) break;
-      event({{"event", "error"},
-             {"why", std::to_string(joiners.size()) + " replica group(s) had all their ranks within the start timeout, "
-                     "fewer than the job's minimum of " + std::to_string(std::max(1, config_.min_replicas))}},
-            true);
+      const std::string why =
+          hopeless ? std::to_string(down) + " rank(s) are down for good before the first step, so at most " +
+                         std::to_string(std::max(0, could)) + " replica group(s) could still have all their ranks, "
+                         "fewer than the job's minimum of " + std::to_string(std::max(1, config_.min_replicas))
+                   : std::to_string(joiners.size()) + " replica group(s) had all their ranks within the start timeout, "
+                     "fewer than the job's minimum of " + std::to_string(std::max(1, config_.min_replicas));
+      event({{"event", "error"}, {"why", why}}, true);
+      // The ranks waiting to be admitted read the end and stop (they do not wait for the timeout).
+      set("end", "lost");
+      if (options_.on_end) options_.on_end(1);
       return false;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -4,6 +4,7 @@
 // live job's replica groups keep their checkpoints.
 #include "fsdp/live_manager.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -70,6 +71,8 @@ std::optional<int> launch_live_local(int argc, char** argv) {
       o.port = 0;
       o.bind_address = "127.0.0.1";  // this machine's ranks only
       o.replacements_exhausted = [failures, max_restarts] { return failures->load() > max_restarts; };
+      // Restarts are the job's, not a rank's: each failure beyond them leaves a rank down for good.
+      o.ranks_down_for_good = [failures, max_restarts] { return std::max(0, failures->load() - max_restarts); };
       o.on_end = [decided, end_verdict](int v) {
         *end_verdict = v;
         *decided = true;
