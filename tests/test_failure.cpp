@@ -175,6 +175,19 @@ TEST(Failure, RankThatThrowsInUserCode) {
   }
 }
 
+// A rank whose program ends with an error code: the job ends with that code and the launcher
+// names that rank, though its peers' Gloo threads abort on its closed sockets (SIGABRT) and are
+// often reaped first (an outside review saw 134 and "rank 0 was killed by signal 6" most times).
+TEST(Failure, RankThatExitsWithACodeIsTheJobsFailure) {
+  for (const char* launch : {"", "FSDP_LAUNCH_EXEC=1 "}) {
+    auto run = sh(kFaultEnv + std::string(launch) + worker() + " fault --nproc-per-node 4 --fault exit --fault-rank 1", 90);
+    EXPECT_EQ(run.exit_code, 5) << launch << "\n" << run.output;
+    EXPECT_LT(run.seconds, 60.0) << run.output;
+    EXPECT_NE(run.output.find("fsdp launcher: rank 1 (pid"), std::string::npos) << run.output;
+    EXPECT_NE(run.output.find(") exited with code 5"), std::string::npos) << run.output;
+  }
+}
+
 TEST(Failure, RankWhoseForwardTakesAnotherBranch) {
   // Its units run in another order: equal-size units would silently swap shards; the
   // end-of-backward check stops every rank before the optimizer step.

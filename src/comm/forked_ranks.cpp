@@ -4,6 +4,7 @@
 // most of what a short job or a test costs; a fork costs a few milliseconds and the pages the rank
 // then writes. Restarts, and launchers that already have threads, start ranks anew (launcher.cpp).
 #include <dirent.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -70,6 +71,11 @@ std::optional<int> maybe_launch_local(int* argc, char*** argv, int master_port, 
         ::setenv(key.c_str(), value.c_str(), 1);
       }
       if (master_port != 0) ::unsetenv(kStoreHostedEnv);
+      // As an exec'd rank has them: the launcher catches SIGINT and SIGTERM before it execs a
+      // rank, and exec sets caught signals back to their defaults (an ignored one would stay so,
+      // and pass on to whatever the rank runs).
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
       // The rank's command line, as an exec'd rank gets it (its program name kept).
       static std::vector<std::string> words;
       static std::vector<char*> pointers;

@@ -155,6 +155,15 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
   const auto grace = std::chrono::milliseconds(static_cast<int64_t>(1000 * launcher_grace_seconds()));
   using Clock = std::chrono::steady_clock;
   int first_failure = 0;
+  // Which rank's failure is the job's. The rank that fails first is not always reaped first: a
+  // rank that returns an error code closes its sockets at once but takes a moment to exit (its
+  // static destructors), while its peers' Gloo threads abort (SIGABRT) on the closed connection
+  // and are gone sooner. So a rank that exits with a code within a second of a first failure by
+  // signal is taken for the cause instead.
+  int cause = -1;
+  bool cause_by_signal = false;
+  bool reattributed = false;
+  auto cause_at = Clock::time_point::min();
   size_t running = pids.size();
   auto term_at = Clock::time_point::max(), kill_at = Clock::time_point::max();
   auto stop_all = [&](int sig) {
@@ -192,8 +201,19 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
           }
           continue;
         }
+        const bool by_signal = WIFSIGNALED(status);
+        if (first_failure != 0 && cause_by_signal && !by_signal && g_stop_signal == 0 &&
+            Clock::now() - cause_at < std::chrono::seconds(1)) {
+          first_failure = code;
+          cause = static_cast<int>(r);
+          cause_by_signal = false;
+          reattributed = true;
+        }
         if (first_failure == 0) {
           first_failure = code;
+          cause = static_cast<int>(r);
+          cause_by_signal = by_signal;
+          cause_at = Clock::now();
           if (running > 0) {
             std::cerr << "fsdp launcher: waiting up to " << grace.count() / 1000.0 << " s for the other " << running
                       << " rank(s) to report, then stopping them" << std::endl;
@@ -217,6 +237,11 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
       kill_at = Clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (reattributed) {
+    std::cerr << "fsdp launcher: the job's failure is rank " << cause << "'s (exit code " << first_failure
+              << "): it exited with that code as the ranks before it were killed by a signal, which a peer's "
+                 "closed connection causes" << std::endl;
   }
   return first_failure;
 }

@@ -261,17 +261,29 @@ CONFORMANCE_CASE(Regressions, EmbeddingWithSparseGradientsTrainsLikeLocal, 4,
   });
 }
 
+namespace {
+// The 8-channel TiedCNN twice from one seed: fsdp's and local training's.
+std::pair<TiedCNN, TiedCNN> tied_pair() {
+  torch::manual_seed(0);
+  TiedCNN mine(8, false);
+  torch::manual_seed(0);
+  TiedCNN local(8, false);
+  return {mine, local};
+}
+// The variant's options with every ConvBlock a unit of its own.
+fsdp::Options block_units(const Variant& v) {
+  fsdp::Options o = v.options;
+  o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
+  return o;
+}
+}  // namespace
+
 CONFORMANCE_CASE(Regressions, StepInsideUnshardAfterItsBackwardIsRefused, 4,
                  "issue 35 review (an optimizer step inside unshard() after a backward inside it moved nothing, "
                  "silently)") {
   for_each(c, every_strategy(c, /*bf16=*/true), [&](const Variant& v) {
-    torch::manual_seed(0);
-    TiedCNN mine(8, false);
-    torch::manual_seed(0);
-    TiedCNN local(8, false);
-    fsdp::Options o = v.options;
-    o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
-    fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
+    auto [mine, local] = tied_pair();
+    fsdp::FullyShardedDataParallel model(mine, c.mesh, block_units(v));
     // SGD with momentum refuses before it changes anything (its first read is the gradient).
     torch::optim::SGD optim(model.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     torch::optim::SGD local_optim(unique_parameters(*local), torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -344,13 +356,8 @@ CONFORMANCE_CASE(Regressions, AForwardWhoseOutputIsDroppedBeforeTheStep, 4,
     auto variants = every_strategy(c, /*bf16=*/true);
     for (auto& v : variants) v.name += adam ? ", Adam" : ", SGD";
     for_each(c, variants, [&](const Variant& v) {
-      torch::manual_seed(0);
-      TiedCNN mine(8, false);
-      torch::manual_seed(0);
-      TiedCNN local(8, false);
-      fsdp::Options o = v.options;
-      o.auto_wrap_policy = fsdp::module_type_policy<ConvBlockImpl>();
-      fsdp::FullyShardedDataParallel model(mine, c.mesh, o);
+      auto [mine, local] = tied_pair();
+      fsdp::FullyShardedDataParallel model(mine, c.mesh, block_units(v));
       std::unique_ptr<torch::optim::Optimizer> optim, local_optim;
       if (adam) {
         optim = std::make_unique<torch::optim::Adam>(model.parameters(), torch::optim::AdamOptions(1e-3).weight_decay(0.01));

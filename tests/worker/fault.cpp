@@ -1,13 +1,16 @@
-// fsdp-test-worker fault --fault kill|throw|branch|skip --fault-rank R --fault-at forward|backward|step|between
+// fsdp-test-worker fault --fault kill|exit|throw|branch|skip --fault-rank R --fault-at forward|backward|step|between
 //                        [--fault-step S] [--strategy S]
 //   Trains a 4-block GPT-like stack; at step S (default 2) rank R: is killed with SIGKILL at the
 //   given point of the iteration (inside forward, inside backward, inside the optimizer step, or
-//   between steps), or throws from its forward (user code failing), or runs its blocks in another
+//   between steps), or (exit) ends with code 5 while the others abort in an all-reduce, or throws from its forward (user code failing), or runs its blocks in another
 //   order, or skips one (control flow that differs across ranks). The surviving ranks must each end with an error
 //   that names what failed, within the collective timeout; the test drivers time them.
 #include <signal.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <iostream>
+#include <thread>
 
 #include "worker.h"
 
@@ -39,6 +42,23 @@ TORCH_MODULE(Stack);
 
 json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   const int rank = mesh->rank();
+  if (a.fault == "exit") {
+    // Rank R ends its program with code 5 while the others wait in an all-reduce, which they do
+    // not guard (a user's quick program would not): its error aborts them (SIGABRT), usually
+    // before rank R's exit is complete (its static destructors take a moment).
+    if (rank == a.fault_rank) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      std::cerr << "rank " << rank << ": exits with code 5" << std::endl;
+      std::exit(5);
+    }
+    std::vector<at::Tensor> t{torch::ones({4})};
+    try {
+      mesh->world()->allreduce(t)->wait();
+    } catch (...) {
+      std::abort();
+    }
+    return json();
+  }
   const int64_t per = kGlobalBatch / mesh->world_size();
   fsdp::Options opts = options_from(a);
   opts.auto_wrap_policy = fsdp::module_type_policy<torch::nn::LinearImpl>();
@@ -54,6 +74,7 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
       say("killed between steps");
       ::raise(SIGKILL);
     }
+
     auto [x, y] = corpus().batch(step, kGlobalBatch, 16, 3, rank * per, rank * per + per);
     optim.zero_grad();
     std::vector<int> order{0, 1, 2, 3};
