@@ -152,6 +152,16 @@ TEST(Misuse, ClearErrorsInsteadOfWrongResults) {
       EXPECT_NE(j["step_before_backward"].get<std::string>().find("while it is gathered for a backward"), std::string::npos) << what;
       EXPECT_EQ(j["backward_after_refusal"], "") << what;
       EXPECT_EQ(j["step_after_backward"], "") << what;
+      // Optimizers that read the gathered parameter before writing it fail in ATen (the gradient is
+      // a shard): the error says why, and what to do.
+      for (const auto& [name, r] : j["step_before_backward_reads_first"].items()) {
+        const std::string e = r["before_backward"];
+        EXPECT_NE(e.find("while it is gathered for a backward"), std::string::npos) << name << ": " << what;
+        EXPECT_NE(e.find("Run backward first"), std::string::npos) << name << ": " << what;
+        EXPECT_EQ(r["backward_after"], "") << name << ": " << what;
+        EXPECT_EQ(r["after_backward"], "") << name << ": " << what;
+      }
+      EXPECT_EQ(j["step_before_backward_reads_first"].size(), 5u) << what;
       // The tied embedding/head once in the wrapper's list, twice in libtorch's.
       EXPECT_EQ(j["unique_parameters"].get<int>() + 1, j["libtorch_parameters"].get<int>()) << what;
       EXPECT_EQ(j["named_first"], "tok_emb.weight") << what;

@@ -23,7 +23,7 @@ std::unordered_map<const c10::StorageImpl*, Entry> g_storages;
 
 }  // namespace
 
-void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+std::string on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   // Every registered argument, and whether the operator writes it: an optimizer's update names the
   // parameter and its gradient, and either may be what must be refused (a parameter that is whole
   // at rest passes, the stand-in gradient beside it does not).
@@ -56,13 +56,16 @@ void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
       }
     }
   }
+  std::string if_it_fails;
   for (const Hit& hit : hits) {
     if (hit.entry.grad) {
       hit.entry.sink->on_unreduced_grad_op(op, hit.entry.unit, hit.writes);
     } else {
-      hit.entry.sink->on_guarded_op(op, hit.entry.unit, hit.tensor, hit.writes);
+      std::string why = hit.entry.sink->on_guarded_op(op, hit.entry.unit, hit.tensor, hit.writes);
+      if (if_it_fails.empty()) if_it_fails = std::move(why);
     }
   }
+  return if_it_fails;
 }
 
 void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage) {

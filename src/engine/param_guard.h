@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -29,7 +30,10 @@ struct Sink {
   // parameter of unit `unit` (or a shallow copy of one: libtorch optimizers update p.data()). May
   // throw, which the operator's caller receives. Called for every unit's parameters; the sink
   // returns at once for a unit that is not guarded now (F = 1 at rest: its parameters are whole).
-  virtual void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) = 0;
+  // Returns what to tell the caller if the operator itself then fails (empty: ATen's error as is):
+  // a read of a gathered copy is legal (a look at the weights), but an optimizer's read of it
+  // beside the gradient's shard fails in ATen with a bare size mismatch.
+  virtual std::string on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) = 0;
   // An operator outside the root's passes on a gradient registered with register_grad_storage
   // (unit `unit`'s unreduced no_sync gradients, or the stand-ins of gradients an unshard() scope
   // holds): reading it means stepping or clipping with what no step may use. May throw.
@@ -37,8 +41,9 @@ struct Sink {
 };
 
 // An operator with a keyed argument (param_key.h), outside the root's passes: tells the sink of
-// every registered parameter and gradient among its arguments, in argument order.
-void on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+// every registered parameter and gradient among its arguments, in argument order. Returns the
+// first sink's explanation for the operator's failure, should it fail (on_guarded_op).
+std::string on_keyed_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 
 // Guarded tensors are recognised by their storage: a unit's shard or its unsharded buffer.
 void register_storage(Sink* sink, size_t unit, const c10::StorageImpl* storage);

@@ -1,6 +1,7 @@
 #include "engine/param_key.h"
 
 #include <algorithm>
+#include <string>
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -43,11 +44,12 @@ ArgumentDtypes dtypes_of(const c10::OperatorHandle& op, const torch::jit::Stack&
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   touch::OperatorPins pins;  // until autograd has recorded the operator
   const bool in_pass = !touch::suppressed() && touch::in_root_pass();
+  std::string if_it_fails;  // the guard's explanation, should the operator fail
   if (!touch::suppressed()) {
     if (in_pass) {
       touch::on_keyed_op(op, *stack);
     } else {
-      guard::on_keyed_op(op, *stack);
+      if_it_fails = guard::on_keyed_op(op, *stack);
     }
   }
   // Read before the call, which consumes the arguments; only looked at if it throws.
@@ -58,6 +60,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
     // Autograd (below this key) has recorded the operator: its node belongs to the forward.
     if (in_pass && c10::GradMode::is_enabled()) touch::note_forward_outputs(op, *stack);
   } catch (const c10::Error& e) {
+    TORCH_CHECK(if_it_fails.empty(), if_it_fails, " libtorch said: ", e.what_without_backtrace());
     if (!dtypes.mixed()) throw;
     // A tensor that reached a unit in another dtype than its parameters compute in: under mixed
     // precision, one the wrapper could not cast (inside the caller's own struct, from a

@@ -85,7 +85,7 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   void end_forward(bool ok);
   void on_touch(size_t unit, const c10::TensorImpl* tensor, bool builds_graph, bool writes) override;
   void on_operator_entered(std::optional<size_t> unit) override;
-  void on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) override;
+  std::string on_guarded_op(const c10::OperatorHandle& op, size_t unit, const at::Tensor& tensor, bool writes) override;
   void on_unreduced_grad_op(const c10::OperatorHandle& op, size_t unit, bool writes) override;
   // unshard() scopes (fsdp.h): the units stay gathered while pinned, through forward and backward;
   // their sharded gradients are handed back when the last pin goes. A collective (pin gathers).
@@ -176,6 +176,8 @@ class Runtime : public TouchSink, public guard::Sink, public std::enable_shared_
   // `tensor` views unit h's gathered buffer while h is back on its shard: a shallow copy of a
   // parameter (p.data()) taken while it was gathered.
   static bool points_at_freed_gathered(const FlatParamHandle& h, const at::Tensor& tensor);
+  // Operators that make a new tensor in a parameter's shape (an optimizer's state, at its first step).
+  static bool makes_a_tensor_like(const std::string& op_name);
   // FORWARD_DONE with every graph through the units gone: the forwards were abandoned, their
   // iteration ends (IDLE).
   void end_abandoned_forward();

@@ -15,7 +15,7 @@
 
 namespace fsdp {
 
-void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::Tensor& tensor, bool writes) {
+std::string Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::Tensor& tensor, bool writes) {
   ++detection_.operator_calls_at_rest;
   const FlatParamHandle& h = units_[u]->handle();
   const auto& name = op.operator_name().name;
@@ -33,19 +33,33 @@ void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::T
                   "' inside an unshard() scope, where it holds the gathered copy (the optimizer steps this rank's "
                   "shard). End the unshard() scope before the optimizer step.");
   }
-  if (!h.guarded() && !points_at_freed_gathered(h, tensor)) return;  // F = 1 at rest: whole parameters
+  if (!h.guarded() && !points_at_freed_gathered(h, tensor)) return "";  // F = 1 at rest: whole parameters
   touch::Suppress own_work;  // our own set_data and copies below must not come back here
   check_not_failed();
   const size_t param = h.param_at(tensor);
   const std::string& fqn = h.layout().entries()[param].fqn;
+  std::string if_it_fails;
   if (phase_ == Phase::FORWARD_DONE) {
+    const std::string pending =
+        "while it is gathered for a backward that has not run yet (a forward's output, or a graph built from it, is "
+        "still alive). Run backward first, or drop the outputs of forwards you will not backward (or run them under "
+        "torch::NoGradGuard), then step.";
     if (!graph_alive()) {
       end_iteration();  // the forwards since the last backward were abandoned: back to the shards
     } else if (writes) {
-      throw std::invalid_argument(
-          "fsdp: " + name + " writes parameter '" + fqn + "' while it is gathered for a backward that has not run "
-          "yet (a forward's output, or a graph built from it, is still alive). Run backward first, or drop the outputs "
-          "of forwards you will not backward (or run them under torch::NoGradGuard), then step.");
+      throw std::invalid_argument("fsdp: " + name + " writes parameter '" + fqn + "' " + pending);
+    } else if (h.state() != HandleState::SHARDED && makes_a_tensor_like(name)) {
+      // An optimizer's first step creates its state like the parameter (Adam's moments, RMSprop's
+      // average): shaped like the gathered whole now, it would break every later step, which meets
+      // this rank's shard.
+      throw std::invalid_argument("fsdp: " + name + " makes a tensor shaped like parameter '" + fqn + "', which "
+                                  "holds the whole parameter now, not this rank's shard that its gradient and an "
+                                  "optimizer's state belong to, " + pending);
+    } else if (h.state() != HandleState::SHARDED) {
+      // Reading the whole parameter is legal (a look at the weights); an optimizer that reads it
+      // first (weight decay, Adam's moments) meets the gradient's shard and fails in ATen.
+      if_it_fails = "fsdp: " + name + " failed on parameter '" + fqn + "', which holds the whole parameter, not this "
+                    "rank's shard that its gradient and the optimizer's state belong to, " + pending;
     }
   }
   if (points_at_freed_gathered(h, tensor)) {
@@ -82,6 +96,7 @@ void Runtime::on_guarded_op(const c10::OperatorHandle& op, size_t u, const at::T
         "FullyShardedDataParallel::forward() or forward_with() so that its units are gathered, or read whole "
         "parameters inside summon_full_params() (evaluation, inspection, export).");
   }
+  return if_it_fails;
 }
 
 void Runtime::on_unreduced_grad_op(const c10::OperatorHandle& op, size_t u, bool writes) {
@@ -156,6 +171,11 @@ void Runtime::fail(const std::string& what, size_t unit) {
     if (failure_.rfind("fsdp:", 0) != 0) failure_ = "fsdp: unit '" + comm_.unit_name(static_cast<int>(unit)) + "': " + failure_;
   }
   units_[unit]->handle().poison();
+}
+
+bool Runtime::makes_a_tensor_like(const std::string& op_name) {
+  return op_name == "aten::zeros_like" || op_name == "aten::empty_like" || op_name == "aten::ones_like" ||
+         op_name == "aten::full_like";
 }
 
 bool Runtime::points_at_freed_gathered(const FlatParamHandle& h, const at::Tensor& tensor) {

@@ -47,6 +47,28 @@ json run_misuse(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     out["backward_after_refusal"] = error_of([&] { loss.backward(); });
     out["step_after_backward"] = error_of([&] { optim.step(); });
   }
+  {  // the same with optimizers that read the parameter before writing it: weight decay, moments
+    json reads_first;
+    auto make = [](const std::string& name, std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (name == "sgd_weight_decay") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).weight_decay(0.01));
+      if (name == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+      if (name == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
+      if (name == "rmsprop") return std::make_unique<torch::optim::RMSprop>(params, torch::optim::RMSpropOptions(1e-3));
+      return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(1e-2));
+    };
+    for (const std::string name : {"sgd_weight_decay", "adam", "adamw", "rmsprop", "adagrad"}) {
+      auto model = fresh();
+      fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
+      auto optim = make(name, sharded.parameters());
+      auto [x, y] = batch();
+      models::lm_loss(sharded.forward(x), y).backward();
+      auto loss = models::lm_loss(sharded.forward(x), y);
+      reads_first[name] = {{"before_backward", error_of([&] { optim->step(); })},
+                           {"backward_after", error_of([&] { loss.backward(); })},
+                           {"after_backward", error_of([&] { optim->step(); })}};
+    }
+    out["step_before_backward_reads_first"] = reads_first;
+  }
   {  // model->to() after wrapping
     auto model = fresh();
     fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
