@@ -11,6 +11,7 @@
 // (FSDP_COLLECTIVE_TIMEOUT_S), though a dead peer is noticed at once: its sockets close.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 
 #include "dist_test_util.h"
@@ -185,6 +186,38 @@ TEST(Failure, RankThatExitsWithACodeIsTheJobsFailure) {
     EXPECT_LT(run.seconds, 60.0) << run.output;
     EXPECT_NE(run.output.find("fsdp launcher: rank 1 (pid"), std::string::npos) << run.output;
     EXPECT_NE(run.output.find(") exited with code 5"), std::string::npos) << run.output;
+  }
+}
+
+TEST(Failure, RanksEndWhenTheirLauncherIsKilled) {
+  // A launcher killed with SIGKILL (an OOM kill, a scheduler's hard stop) cannot tell its ranks:
+  // the kernel does (PR_SET_PDEATHSIG), instead of leaving them waiting in a collective forever.
+  for (const char* launch : {"", "FSDP_LAUNCH_EXEC=1 "}) {
+    const std::string script =
+        "D=$(mktemp -d); " + std::string(launch) + worker() + " fault --nproc-per-node 2 --fault outlive 2>$D/err & L=$!; "
+        "for i in $(seq 300); do [ $(grep -c waiting $D/err) -ge 2 ] && break; sleep 0.1; done; "
+        "P=$(sed -n \"s/.*pid \\([0-9]*\\) waiting/\\1/p\" $D/err); kill -9 $L; wait $L 2>/dev/null; "
+        "for i in $(seq 100); do A=; for p in $P; do kill -0 $p 2>/dev/null && A=\"$A $p\"; done; "
+        "[ -z \"$A\" ] && break; sleep 0.1; done; "
+        "echo \"ranks:\" $P; echo \"alive after the launcher died:$A.\"; for p in $A; do kill -9 $p; done; "
+        "cat $D/err; rm -rf $D";
+    const auto run = sh(script, 90);
+    EXPECT_NE(run.output.find("alive after the launcher died:."), std::string::npos) << launch << "\n" << run.output;
+    const auto ranks = run.output.find("ranks: ");
+    ASSERT_NE(ranks, std::string::npos) << run.output;
+    const std::string pids = run.output.substr(ranks, run.output.find('\n', ranks) - ranks);
+    EXPECT_EQ(std::count(pids.begin(), pids.end(), ' '), 2) << "two ranks started: " << run.output;
+  }
+}
+
+TEST(Failure, ArgumentsAfterADoubleDashAreTheProgramsOwn) {
+  // The launcher takes --nproc-per-node 2 and passes "--" and all after it to the ranks, whose
+  // parser (the worker's) refuses the "--" it did not expect: that refusal is the ranks speaking.
+  for (const char* launch : {"", "FSDP_LAUNCH_EXEC=1 "}) {
+    const auto run = sh(std::string(launch) + worker() + " structure --nproc-per-node 2 -- --nproc-per-node 3", 60);
+    EXPECT_NE(run.exit_code, 0) << run.output;
+    EXPECT_NE(run.output.find("unknown flag --"), std::string::npos) << launch << "\n" << run.output;
+    EXPECT_EQ(run.output.find("wants a positive integer"), std::string::npos) << run.output;
   }
 }
 

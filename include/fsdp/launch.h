@@ -50,7 +50,9 @@ inline constexpr const char* kStoreHostedEnv = "FSDP_STORE_HOSTED";
 // process is not itself a launched rank, runs launch_local() on the same command line without
 // that flag and returns its exit code ("--max-restarts N" is the launcher's too: not passed on).
 // Otherwise returns nullopt and the program runs as one rank. A bad --nproc-per-node or
-// --max-restarts value throws std::invalid_argument (catch it in main to print it).
+// --max-restarts value throws std::invalid_argument (catch it in main to print it). Arguments
+// after "--" are the program's, passed on with the "--" even where they look like the launcher's.
+// The ranks end (SIGTERM) when the launcher dies, however it dies.
 // `master_port`, `scope` and `job_running` as for launch_local.
 std::optional<int> maybe_launch_local(int argc, char** argv, int master_port = 0,
                                       RestartScope scope = RestartScope::job,

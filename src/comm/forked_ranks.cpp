@@ -55,9 +55,11 @@ std::optional<int> maybe_launch_local(int* argc, char*** argv, int master_port, 
   for (int r = 0; r < f.nproc; ++r) {
     int fds[2];
     if (::pipe(fds) != 0) throw std::runtime_error(std::string("fsdp: pipe() failed: ") + std::strerror(errno));
+    const pid_t launcher = ::getpid();
     const pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("fsdp: fork() failed while launching rank " + std::to_string(r));
     if (pid == 0) {
+      launching::end_with_the_launcher(launcher);
       ::close(fds[1]);
       for (int w : forked.port_pipes) ::close(w);  // the earlier ranks' (their EOF is the launcher's end)
       int32_t port = 0;

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -120,9 +121,11 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
     std::vector<char*> env;
     for (auto& v : e) env.push_back(const_cast<char*>(v.c_str()));
     env.push_back(nullptr);
+    const pid_t launcher = ::getpid();
     pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("fsdp: fork() failed while launching rank " + std::to_string(r));
     if (pid == 0) {
+      launching::end_with_the_launcher(launcher);  // kept across execve
       ::execve(args[0], args.data(), env.data());
       static const char msg[] = "fsdp: could not exec the rank's program\n";
       (void)!::write(2, msg, sizeof(msg) - 1);
@@ -300,6 +303,13 @@ int launch_checked(int nproc, const std::vector<std::string>& argv, int master_p
   return code;
 }
 
+void end_with_the_launcher(pid_t launcher) {
+  // Async-signal-safe: called between fork and exec in a launcher that has threads. The signal
+  // follows the thread that forked: launch_local's caller, which waits for every rank.
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != launcher) ::_exit(1);
+}
+
 LaunchFlags launch_flags(int argc, char** argv) {
   LaunchFlags f;
   auto& rest = f.rest;
@@ -320,6 +330,11 @@ LaunchFlags launch_flags(int argc, char** argv) {
       }
       max_restarts = static_cast<int>(n);
       continue;
+    }
+    if (a == "--") {
+      // The program's own arguments from here on, even ones spelled like the launcher's.
+      rest.insert(rest.end(), argv + i, argv + argc);
+      break;
     }
     if (a == "--nproc-per-node" || a == "--nproc_per_node") {
       if (i + 1 >= argc) throw std::invalid_argument("fsdp: --nproc-per-node needs a number");

@@ -33,6 +33,11 @@ struct Forked {
   std::vector<int> port_pipes;  // the write ends, one per rank
 };
 
+// In a rank just forked from the launcher `launcher`: the kernel ends the rank (SIGTERM) when the
+// launcher dies, however it dies (a SIGKILL, an OOM kill), instead of leaving it to wait in a
+// collective for peers that are gone. If the launcher died before this call, ends now.
+void end_with_the_launcher(pid_t launcher);
+
 // Refuses what cannot launch (no ranks, no program, restarts without a store).
 void check_launch(int nproc, const std::vector<std::string>& argv, int master_port, int max_restarts,
                   RestartScope scope);

@@ -3,9 +3,11 @@
 //   Trains a 4-block GPT-like stack; at step S (default 2) rank R: is killed with SIGKILL at the
 //   given point of the iteration (inside forward, inside backward, inside the optimizer step, or
 //   between steps), or (exit) ends with code 5 while the others abort in an all-reduce, or throws from its forward (user code failing), or runs its blocks in another
-//   order, or skips one (control flow that differs across ranks). The surviving ranks must each end with an error
+//   order, or skips one (control flow that differs across ranks); or (outlive) every rank waits 300 s
+//   for the test to kill its launcher. The surviving ranks must each end with an error
 //   that names what failed, within the collective timeout; the test drivers time them.
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -42,6 +44,13 @@ TORCH_MODULE(Stack);
 
 json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   const int rank = mesh->rank();
+  if (a.fault == "outlive") {
+    // Every rank waits far longer than a test: what ends it is its launcher's death.
+    // One write: the ranks share the launcher's stderr, and the test reads each line.
+    std::cerr << ("rank " + std::to_string(rank) + ": pid " + std::to_string(::getpid()) + " waiting\n") << std::flush;
+    std::this_thread::sleep_for(std::chrono::seconds(300));
+    return json();
+  }
   if (a.fault == "exit") {
     // Rank R ends its program with code 5 while the others wait in an all-reduce, which they do
     // not guard (a user's quick program would not): its error aborts them (SIGABRT), usually
