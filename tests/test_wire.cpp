@@ -121,7 +121,11 @@ TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
             std::string::npos) << none_and_more.output;
   const auto empty = fsdp_test::sh(tiny + " --keep-gathered-after-forward ''");
   EXPECT_NE(empty.output.find("--keep-gathered-after-forward"), std::string::npos) << empty.output;  // not the root unit ''
-  for (const auto* r : {&bad, &zero2, &hpz, &none_and_more, &empty}) EXPECT_NE(r->exit_code, 0);
+  // --plan plans fsdp's units: with --local it printed an fsdp plan that kept blocks.1.
+  const auto plan_local = fsdp_test::sh(fsdp_test::fsdp_train() + " --plan --local --keep-gathered-after-forward blocks.1");
+  EXPECT_NE(plan_local.output.find("--plan plans fsdp's sharding; --local trains without it"), std::string::npos)
+      << plan_local.output;
+  for (const auto* r : {&bad, &zero2, &hpz, &none_and_more, &empty, &plan_local}) EXPECT_NE(r->exit_code, 0);
   const auto twice = fsdp_test::sh(tiny + " --keep-gathered-after-forward last,last");  // "last" once
   EXPECT_EQ(twice.exit_code, 0) << twice.output;
   // Where keeping means nothing (a strategy that keeps every unit, hpZ on the last block, local

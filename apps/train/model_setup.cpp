@@ -99,19 +99,18 @@ Model build_model(const Config& c, const Job& job) {
     workload->configure(options, *meta, micro_batch, element, c.activation_checkpointing);
     if (job.plain) {
       options.keep_gathered_after_forward.clear();  // no unit to keep ("last" or "none": job_setup refuses names)
-    } else if (c.simulate_layers > 0 && keeps_only_by_default(options.keep_gathered_after_forward)) {
-      // The sample's blocks are not the whole model's: its last block is not the plan's.
-      options.keep_gathered_after_forward.clear();
-    } else {
-      resolve_keep_gathered(options, *meta, job.W, job.mesh->env().local_world_size);
-    }
-    if (job.plain) {
       plan = local_plan(*meta, options);
       const int64_t budget = fsdp::memory_budget_bytes(options, device, 1);
       if (budget > 0 && plan.total() > budget) {
         throw std::invalid_argument(fsdp::explain_over_budget(*meta, plan, options, 1, budget));
       }
     } else {
+      if (c.simulate_layers > 0 && keeps_only_by_default(options.keep_gathered_after_forward)) {
+        // The sample's blocks are not the whole model's: its last block is not the plan's.
+        options.keep_gathered_after_forward.clear();
+      } else {
+        resolve_keep_gathered(options, *meta, job.W, job.mesh->env().local_world_size);
+      }
       plan = fsdp::plan_memory(*meta, job.W, options, job.mesh->env().local_world_size);
       // A TP model is built whole and then split (fsdp::parallelize): not deferred.
       deferred = !job.tp && (c.init == "deferred" || (c.init == "auto" && plan.shard_size > 1));

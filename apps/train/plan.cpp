@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <iostream>
+#include <stdexcept>
+#include <string>
 
 #include <torch/torch.h>
 
@@ -19,6 +21,11 @@ namespace train {
 // The per-rank memory plan of the model in fp32 and in bf16 mixed precision, computed from a
 // meta_init model: nothing is allocated, so any size can be planned on any machine.
 int plan(const Config& c) {
+  if (c.local || c.ddp_baseline) {
+    // Their flags (--keep-gathered-after-forward and the like) would be planned as fsdp's.
+    throw std::invalid_argument(std::string("--plan plans fsdp's sharding; ") + (c.local ? "--local" : "--ddp-baseline") +
+                                " trains without it: drop one of the two (--strategy no_shard plans whole replicas)");
+  }
   const auto workload = make_workload(c);
   const int W = c.plan_world;
   // Rank 0 of the planned job, alone and with stand-in collectives: a model with model-parallel
