@@ -236,6 +236,34 @@ TEST(FusedOptimizer, ParametersWithoutGradientsAreLeftAsLibtorchLeavesThem) {
   EXPECT_EQ(opt.state().count(p.unsafeGetTensorImpl()), 1u);
 }
 
+// MixedPrecision::keep_low_precision_grads leaves bf16 gradients on fp32 parameters: libtorch's
+// optimizers promote them, and so do the fused ones (they refused them, telling the user to cast).
+TEST(FusedOptimizer, LowPrecisionGradientsStepAsLibtorchStepsThem) {
+  for (const auto low : {torch::kBFloat16, torch::kHalf}) {
+    torch::manual_seed(3);
+    auto a = torch::randn({7, 5}).requires_grad_(true), b = a.detach().clone().requires_grad_(true);
+    auto c = a.detach().clone().requires_grad_(true), d = a.detach().clone().requires_grad_(true);
+    fsdp::FusedAdamW fused(std::vector<torch::Tensor>{a}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    torch::optim::AdamW libtorch(std::vector<torch::Tensor>{b}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    fsdp::FusedSGD fused_sgd(std::vector<torch::Tensor>{c}, torch::optim::SGDOptions(1e-2).momentum(0.9));
+    torch::optim::SGD sgd(std::vector<torch::Tensor>{d}, torch::optim::SGDOptions(1e-2).momentum(0.9));
+    for (int step = 0; step < 5; ++step) {
+      const auto g = torch::randn({7, 5}).to(low);
+      a.mutable_grad() = g.clone();
+      b.mutable_grad() = g.to(torch::kFloat);
+      c.mutable_grad() = g.clone();
+      d.mutable_grad() = g.to(torch::kFloat);
+      fused.step();
+      libtorch.step();
+      fused_sgd.step();
+      sgd.step();
+    }
+    EXPECT_LE((a - b).abs().max().item<double>(), 5 * 2.4e-7) << c10::toString(low);
+    EXPECT_TRUE(torch::equal(c.detach(), d.detach())) << c10::toString(low);
+    EXPECT_EQ(a.grad().scalar_type(), low) << "the gradient itself is left as it was";
+  }
+}
+
 std::string error_of(const std::function<void()>& fn) {
   try {
     fn();

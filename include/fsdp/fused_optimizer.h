@@ -30,7 +30,9 @@
 //
 // Dtypes: float32 and float64 parameters, on CPU (fsdp's kernels) and CUDA (torch's own fused
 // multi-tensor kernels, aten::_fused_adamw_ and aten::_fused_sgd_, whose rounding is their own;
-// the CUDA path has not run on a GPU yet). Anything else is refused with what to use instead.
+// the CUDA path has not run on a GPU yet). bf16 and fp16 gradients on them (mixed precision's
+// keep_low_precision_grads) are promoted to the parameter's dtype, as libtorch's optimizers
+// promote them. Anything else is refused with what to use instead.
 #pragma once
 
 #include <torch/optim/adamw.h>

@@ -56,7 +56,9 @@ void check_lists(const char* op, const at::TensorList params, std::initializer_l
         // libtorch's operators would refuse it (or broadcast it); read flat it would land on the
         // wrong elements.
         throw std::invalid_argument(what + " has shape " + c10::str(t.sizes()) + ", the parameter " + c10::str(p.sizes()) +
-                                    ": give it the parameter's shape");
+                                    ": give it the parameter's shape. Under fsdp a parameter holds its whole value inside "
+                                    "summon_full_params() and unshard() scopes and while a forward's output waits for its "
+                                    "backward, and this rank's shard (as its gradient and state do) everywhere else: step there");
       }
       if (t.device() != p.device() || !t.is_contiguous()) {
         throw std::invalid_argument(what + " is not a contiguous tensor on the parameter's device " + p.device().str());

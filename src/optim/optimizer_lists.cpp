@@ -37,6 +37,12 @@ at::Tensor checked_grad(const char* optimizer, const at::Tensor& param, size_t g
   }
   // Its shape is checked by the kernel, after fsdp's guard: a gradient of another shape is what a
   // no_sync backward leaves (this rank's unreduced sum of the whole parameter), and the guard says so.
+  // A gradient in a lower precision (MixedPrecision::keep_low_precision_grads) steps as libtorch's
+  // optimizers step it: promoted to the parameter's dtype, which holds every value exactly.
+  // (A float32 gradient on a float64 parameter is refused, as libtorch refuses it.)
+  if (grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf) {
+    return grad.to(dtype).contiguous();
+  }
   return grad.contiguous();
 }
 
@@ -91,10 +97,21 @@ at::Tensor begin_step(const char* optimizer, const std::vector<torch::optim::Opt
     loss = closure();
   }
   check_unique(optimizer, groups);
+  // A forward whose output was dropped leaves its units' parameters whole until an operator
+  // reaches one of them, when fsdp's guard ends that forward and puts the shards back: reach each
+  // before its shape is read (the state below is kept in the shard's shape).
+  for (const auto& group : groups) {
+    for (const at::Tensor& p : group.params()) {
+      if (p.grad().defined()) (void)p.detach();
+    }
+  }
   return loss;
 }
 
 at::Tensor& kernel_ready(at::Tensor& state, const at::Tensor& param) {
+  // A state of another size stays as it is, for the kernel to refuse by name (a parameter held
+  // whole where its state is the shard's).
+  if (state.numel() != param.numel()) return state;
   if (!state.is_contiguous() || state.sizes() != param.sizes() || state.scalar_type() != param.scalar_type() ||
       state.device() != param.device()) {
     state = state.to(param.options()).reshape(param.sizes()).contiguous();
