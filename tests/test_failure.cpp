@@ -241,6 +241,49 @@ TEST(Failure, RankWhoseForwardSkipsAUnit) {
   EXPECT_NE(run.output.find("the ranks issued different collectives"), std::string::npos) << run.output;
 }
 
+TEST(Failure, RankWhoseForwardSkipsAUnitOfTheSameSize) {
+  // Every unit it gathers is one size, so Gloo pairs the skipped unit's all-gather with the next
+  // unit's: the ranks compute with each other's parameters, then each waits for a collective its
+  // peers never issue. Before collective logs, every rank waited out the collective timeout (20 s
+  // here) and blamed a peer that "probably exited". Now a wait of 2 s compares the ranks' logs, and
+  // every rank names the collective where they parted, long before the timeout.
+  for (int W : {2, 4}) {
+    auto run = sh("FSDP_COMPARE_COLLECTIVES_AFTER_S=2 " + kFaultEnv + worker() + " fault --nproc-per-node " +
+                      std::to_string(W) + " --fault skip-paired --fault-rank 1",
+                  90);
+    EXPECT_NE(run.exit_code, 0) << run.output;
+    EXPECT_LT(run.seconds, 15.0) << "ended by the collective timeout, not by the comparison:\n" << run.output;
+    EXPECT_EQ(reported(run.output, "the ranks issued different collectives on process group"), W) << run.output;
+    EXPECT_NE(run.output.find("the all-gather of unit 'block2''s parameters (forward, 1056 fp32) on rank 0, but the "
+                              "all-gather of unit 'block3''s parameters (forward, 1056 fp32) on rank 1"),
+              std::string::npos)
+        << "rank 0 names both collectives:\n" << run.output;
+    EXPECT_NE(run.output.find("Run every branch on every rank"), std::string::npos) << run.output;
+    EXPECT_EQ(run.output.find("probably exited"), std::string::npos) << run.output;
+  }
+}
+
+TEST(Failure, ComparingCollectivesInEveryWaitChangesNothingInARunThatAgrees) {
+  // The comparison must never see a difference where there is none (a rank that is merely slow, a
+  // snapshot published before its rank went on, replicas' all-reduces, hpZ subgroups, quantized
+  // all-gathers). At 1 ms nearly every blocking wait publishes and compares: the runs succeed with
+  // the losses of runs that never compare.
+  for (const std::string flags : {"--strategy hybrid_shard --shard-size 2 --reshard-after-forward-to 1",
+                                   "--reshard-after-forward-to 2 --quantize-all-gather int8"}) {
+    std::string losses[2];
+    for (int i = 0; i < 2; ++i) {
+      auto run = sh(std::string("FSDP_COMPARE_COLLECTIVES_AFTER_S=") + (i == 0 ? "0" : "0.001") + " " + fsdp_test::fsdp_train() +
+                        " --nproc-per-node 4 --steps 3 " + flags,
+                    240);
+      ASSERT_EQ(run.exit_code, 0) << flags << "\n" << run.output;
+      const size_t at = run.output.find("   loss ");
+      ASSERT_NE(at, std::string::npos) << run.output;
+      losses[i] = run.output.substr(at, run.output.find('\n', at) - at);
+    }
+    EXPECT_EQ(losses[0], losses[1]) << flags;
+  }
+}
+
 TEST(Failure, RankThatNeverArrives) {
   // A world of 3 where rank 2 is never started: ranks 0 and 1 must give up with a clear error.
   const int p = port();

@@ -37,8 +37,16 @@ struct MeshOptions {
   // job whose peer hangs without exiting (a peer that exits is noticed at once). Default 300 s, for
   // slow first steps of big models; environment: FSDP_COLLECTIVE_TIMEOUT_S.
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(300)};
-  // The defaults above with FSDP_INIT_TIMEOUT_S and FSDP_COLLECTIVE_TIMEOUT_S applied (seconds, may
-  // be fractional); throws std::invalid_argument naming a variable that is not a positive number.
+  // When a collective on a CPU group has waited this long, its rank publishes (through the store)
+  // the collectives it issued on the group and compares them with its peers': ranks that issued
+  // different ones (a unit skipped on one rank, whose all-gather Gloo then paired with another
+  // unit's of the same size) fail with the first collective where they differ, instead of waiting
+  // out collective_timeout. Checked again every as long, until the wait ends. 0: never.
+  // Default 10 s; environment: FSDP_COMPARE_COLLECTIVES_AFTER_S (0 turns it off).
+  std::chrono::milliseconds compare_collectives_after{std::chrono::seconds(10)};
+  // The defaults above with FSDP_INIT_TIMEOUT_S, FSDP_COLLECTIVE_TIMEOUT_S and
+  // FSDP_COMPARE_COLLECTIVES_AFTER_S applied (seconds, may be fractional); throws
+  // std::invalid_argument naming a variable that is not a positive number (or 0, for the last).
   static MeshOptions from_environment();
 };
 

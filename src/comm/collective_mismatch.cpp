@@ -1,5 +1,7 @@
 #include "comm/collective_mismatch.h"
 
+#include "comm/collective_log.h"
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -28,14 +30,9 @@ bool is_collective_mismatch(const std::string& what) {
       if (is_collective_mismatch(ex.what())) {
         std::fprintf(stderr,
                      "fsdp: rank %d: the ranks issued different collectives: Gloo received a message of another "
-                     "size than this rank's collective expected (%s). Every rank must run the same units in the "
-                     "same order in every forward and backward: most often the model's control flow depends on "
-                     "this rank's data (a unit skipped, or run twice, on some ranks only), or the ranks run "
-                     "different loops (one rank runs an extra forward, backward or no_sync step). Run every branch "
-                     "on every rank (multiply an unused branch's output by zero), or agree on the branch first (an "
-                     "all-reduce of the decision); when the collectives' sizes agree, fsdp's end-of-backward check "
-                     "names the ranks that differ.\n",
-                     g_rank.load(), ex.what());
+                     "size than this rank's collective expected (%s). %s When the collectives' sizes agree, fsdp "
+                     "names the first collective where the ranks differ.\n",
+                     g_rank.load(), ex.what(), kSameCollectivesOnEveryRank);
         std::fflush(stderr);
       }
     } catch (...) {

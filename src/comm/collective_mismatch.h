@@ -1,7 +1,8 @@
 // Ranks that issue different collectives (control flow that differs across ranks: a unit skipped
 // on some ranks, one rank running an extra forward). When the collectives happen to move the same
-// number of bytes, the end-of-backward sequence check (Runtime::check_sequence) names the ranks
-// that differ. When they do not, Gloo finds it first, inside its own network thread, and ends the
+// number of bytes, they pair up, and the ranks stop later: a wait that takes long compares the ranks'
+// logs (collective_log.h), and the end-of-backward sequence check (Runtime::check_sequence) names
+// the ranks that differ. When they do not, Gloo finds it first, inside its own network thread, and ends the
 // process (std::terminate on "Received data size doesn't match expected size") before any fsdp
 // code can run: no exception reaches the caller. What fsdp can do there is say, on the way out,
 // what it means and what to change, on the rank's stderr, whatever launched it.

@@ -1,6 +1,11 @@
 #include "comm/collectives.h"
 
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
+
+#include <ATen/core/ivalue.h>
 
 #include "comm/ring_reduce_scatter.h"
 
@@ -72,10 +77,53 @@ WorkPtr all_reduce_max(const GroupPtr& group, at::Tensor t, CommBytes& stats) {
   return group->allreduce(tensors, opts);
 }
 
-void wait_for(const WorkPtr& work, const char* what) {
+namespace {
+// Waits for `work` `slow.every` at a time, asking `slow.check` between waits. Returns "" once the
+// work has completed (its wait() then returns at once), or the reason check gave for it never to.
+std::string wait_in_slices(const WorkPtr& work, const SlowWaitCheck& slow) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work->getFuture();
+  } catch (const std::exception&) {
+    return "";  // a Work without a future: wait on it whole
+  }
+  if (!future) return "";
+  struct Done {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  // Runs on the backend's thread when the work completes or fails, or here and now if it has.
+  future->addCallback([done](c10::ivalue::Future&) {
+    {
+      std::lock_guard<std::mutex> lock(done->mutex);
+      done->done = true;
+    }
+    done->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(done->mutex);
+  while (!done->cv.wait_for(lock, slow.every, [&] { return done->done; })) {
+    lock.unlock();
+    std::string why = slow.check();
+    if (!why.empty()) return why;
+    lock.lock();
+  }
+  return "";
+}
+}  // namespace
+
+void wait_for(const WorkPtr& work, const char* what, const SlowWaitCheck& slow) {
+  if (slow.every.count() > 0 && slow.check && !work->isCompleted()) {
+    const std::string why = wait_in_slices(work, slow);
+    if (!why.empty()) throw std::runtime_error(why);
+  }
   try {
     work->wait();
   } catch (const std::exception& e) {
+    // A peer that found the ranks' collectives differ has left: say why, not just that it left.
+    const std::string why = slow.check ? slow.check() : "";
+    if (!why.empty()) throw std::runtime_error(why + " (Here: " + what + " failed: " + e.what() + ")");
     throw std::runtime_error(std::string("fsdp: ") + what +
                              " failed; a peer rank probably exited or timed out (see its log). "
                              "Backend said: " + e.what());

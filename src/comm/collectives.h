@@ -3,6 +3,10 @@
 // decides where to wait (the runtime waits where the result is consumed).
 #pragma once
 
+#include <chrono>
+#include <functional>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -28,8 +32,17 @@ WorkPtr sequence_check_max(const GroupPtr& group, at::Tensor t, CommBytes& stats
 // t <- element-wise max over ranks of t, in place; counted as an all-reduce.
 WorkPtr all_reduce_max(const GroupPtr& group, at::Tensor t, CommBytes& stats);
 
+// What a wait that takes long does: every `every` (0: nothing) it runs `check`, which returns why
+// the wait can never end (an error message) or "" when it does not know of a reason.
+struct SlowWaitCheck {
+  std::chrono::milliseconds every{0};
+  std::function<std::string()> check;
+};
+
 // Waits and turns a backend failure (a peer that died, a timeout) into an error that names the
-// collective, instead of the backend's bare message.
-void wait_for(const WorkPtr& work, const char* what);
+// collective, instead of the backend's bare message. With `slow`, a wait that finds a reason to
+// never end throws that reason (std::runtime_error) instead of waiting for the timeout, and a
+// failure asks `slow.check` too (a peer that found the reason has left).
+void wait_for(const WorkPtr& work, const char* what, const SlowWaitCheck& slow = {});
 
 }  // namespace fsdp

@@ -70,6 +70,8 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
     case CommKind::SEQUENCE_CHECK: f.work = sequence_check_max(group, b.out, bytes_); break;
     case CommKind::WRITE_MERGE: f.work = all_reduce_max(group, b.out, bytes_); break;
   }
+  f.log = mesh_.log_of(group);
+  if (f.log) f.log->record(describe(f, b.out.numel(), b.out.scalar_type()));
   if (kind != CommKind::SEQUENCE_CHECK) {
     for (int64_t v : {static_cast<int64_t>(kind), static_cast<int64_t>(over), static_cast<int64_t>(unit), b.out.numel(),
                       static_cast<int64_t>(b.out.scalar_type())}) {
@@ -89,13 +91,22 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
   return f;
 }
 
-std::string CommContext::describe(const InFlight& f) const {
+std::string CommContext::describe(const InFlight& f, int64_t numel, c10::ScalarType dtype) const {
   const std::string kind = f.kind == CommKind::ALL_GATHER       ? "all-gather"
                            : f.kind == CommKind::REDUCE_SCATTER ? "reduce-scatter"
                                                                 : "all-reduce";
   std::string out = kind + " of ";
   if (f.unit >= 0) out += "unit '" + unit_name(f.unit) + "''s ";
-  return out + f.what + " on rank " + std::to_string(mesh_.rank);
+  out += f.what;
+  if (numel >= 0) {
+    out += std::string(" (") + (f.backward_pass ? "backward" : "forward") + ", " + std::to_string(numel) + " " +
+           dtype_name(dtype) + ")";
+  }
+  return out;
+}
+
+std::string CommContext::describe(const InFlight& f) const {
+  return describe(f, -1, c10::ScalarType::Undefined) + " on rank " + std::to_string(mesh_.rank);
 }
 
 uint64_t CommContext::take_sequence_hash() {
@@ -113,7 +124,8 @@ int64_t CommContext::wait(InFlight& f) {
   const bool blocks = !streams_.active() && !f.work->isCompleted();
   const int64_t t0 = Timeline::now_ns();
   const WorkPtr work = std::move(f.work);
-  wait_for(work, describe(f).c_str());
+  // A long wait on CPU, or a failed one: ask the group's ranks what they issued (collective_log.h).
+  wait_for(work, describe(f).c_str(), compare_when_slow(f.log, blocks));
   timeline_.completed(f.span);
   if (!blocks) return 0;
   const int64_t t1 = Timeline::now_ns();

@@ -54,6 +54,7 @@ struct InFlight {
   int unit = -1;
   const char* what = "";            // the payload, for errors: "parameters", "gradients", ...
   bool backward_pass = false;
+  CollectiveLog* log = nullptr;     // its group's (CPU groups): what a long wait compares
   explicit operator bool() const { return work != nullptr; }
 };
 
@@ -104,6 +105,8 @@ class CommContext {
   uint64_t take_sequence_hash();
 
  private:
+  // What the collective is, as every rank of its group says it (no rank number).
+  std::string describe(const InFlight& f, int64_t numel, c10::ScalarType dtype) const;
   std::string describe(const InFlight& f) const;
 
   c10::Device device_;

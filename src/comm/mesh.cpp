@@ -1,6 +1,5 @@
 #include "comm/collective_mismatch.h"
 #include "comm/mesh_state.h"
-#include "comm/simulated_backend.h"
 #include "fsdp/launch.h"
 
 #include <signal.h>
@@ -12,12 +11,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef USE_C10D_NCCL
-#include <c10/cuda/CUDAFunctions.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 namespace fsdp {
 namespace {
@@ -51,19 +45,20 @@ std::string first_line(const std::string& what) { return what.substr(0, what.fin
 
 MeshOptions MeshOptions::from_environment() {
   MeshOptions o;
-  auto seconds = [](const char* name, std::chrono::milliseconds fallback) {
+  auto seconds = [](const char* name, std::chrono::milliseconds fallback, bool zero_allowed = false) {
     const char* raw = std::getenv(name);
     if (raw == nullptr || *raw == '\0') return fallback;
     char* end = nullptr;
     const double s = std::strtod(raw, &end);
-    if (end == raw || *end != '\0' || !(s > 0) || s > 1e7) {
-      throw std::invalid_argument(std::string("fsdp: environment variable ") + name + "='" + raw +
-                                  "' is not a positive number of seconds");
+    if (end == raw || *end != '\0' || !(s > 0 || (zero_allowed && s == 0)) || s > 1e7) {
+      throw std::invalid_argument(std::string("fsdp: environment variable ") + name + "='" + raw + "' is not a " +
+                                  (zero_allowed ? "number of seconds >= 0" : "positive number of seconds"));
     }
     return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
   };
   o.init_timeout = seconds("FSDP_INIT_TIMEOUT_S", o.init_timeout);
   o.collective_timeout = seconds("FSDP_COLLECTIVE_TIMEOUT_S", o.collective_timeout);
+  o.compare_collectives_after = seconds("FSDP_COMPARE_COLLECTIVES_AFTER_S", o.compare_collectives_after, true);
   return o;
 }
 
@@ -237,42 +232,6 @@ std::shared_ptr<Mesh> Mesh::create(const LaunchEnv& env, MeshOptions options) {
 }
 
 namespace detail {
-
-GroupPtr MeshState::make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device) {
-  return make_group_on(store, name, group_rank, group_size, device);
-}
-
-GroupPtr MeshState::make_group_on(const c10::intrusive_ptr<c10d::Store>& on, const std::string& name, int group_rank,
-                                  int group_size, c10::DeviceType device) {
-  if (simulated) return c10::make_intrusive<SimulatedBackend>(group_rank, group_size);
-  if (device == c10::DeviceType::CUDA) {
-#ifdef USE_C10D_NCCL
-    if (c10::cuda::device_count() == 0) {
-      throw std::runtime_error("fsdp: parameters are CUDA tensors but no GPU is visible on rank " +
-                               std::to_string(env.rank) + "; move the model to the CPU or run where GPUs are");
-    }
-    const int local = device_rank >= 0 ? device_rank : env.local_rank;
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(local % c10::cuda::device_count()));
-    auto opts = c10d::ProcessGroupNCCL::Options::create();
-    opts->timeout = options.collective_timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(
-        c10::make_intrusive<c10d::PrefixStore>("fsdp/nccl/" + name, on), group_rank, group_size, opts);
-#else
-    throw std::runtime_error("fsdp: this build has no NCCL (libtorch without CUDA); CUDA parameters need a CUDA build");
-#endif
-  }
-  auto opts = c10d::ProcessGroupGloo::Options::create(options.collective_timeout);
-  opts->devices = gloo_interface.make_devices();
-  opts->threads = kGlooThreadsPerGroup;
-  try {
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("fsdp/pg/" + name, on), group_rank, group_size, opts);
-  } catch (const std::exception& e) {
-    throw std::runtime_error("fsdp: could not build process group '" + name + "' on rank " +
-                             std::to_string(env.rank) + ": a peer rank did not arrive or exited. (" +
-                             e.what() + ")");
-  }
-}
 
 std::shared_ptr<Mesh> MeshState::sub_mesh(const std::string& name, int rank, int size, int local_world_size) {
   auto sub = std::make_unique<MeshState>();

@@ -131,6 +131,11 @@ MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType devi
   for (int N : sizes) {
     if (N > 0 && !info.secondary_groups.count(N)) info.secondary_groups.emplace(N, state.consecutive_group(N, device));
   }
+  std::vector<GroupPtr> all{info.shard_group, info.replicate_group, info.world_group};
+  for (const auto& [N, group] : info.secondary_groups) all.push_back(group);
+  for (const GroupPtr& group : all) {
+    if (auto log = state.log_for(group)) info.logs[group.get()] = std::move(log);
+  }
   return info;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/collective_log.h"
 #include "comm/collectives.h"
 #include "comm/replica_order.h"
 #include "comm/ring_reduce_scatter.h"
@@ -37,6 +38,12 @@ struct MeshInfo {
   // consecutive ranks (a subgroup of the shard group) over which backward gathers a unit from the
   // secondary shards forward left. This rank keeps part shard_rank % N of such a unit.
   std::map<int, GroupPtr> secondary_groups;
+  // What this rank issued on each of the groups above that has a log (CPU groups; collective_log.h).
+  std::map<const c10d::Backend*, std::shared_ptr<CollectiveLog>> logs;
+  CollectiveLog* log_of(const GroupPtr& group) const {
+    const auto it = logs.find(group.get());
+    return it == logs.end() ? nullptr : it->second.get();
+  }
 };
 
 // F for `options` on W ranks with `local_world_size` ranks per node: W for FULL_SHARD and

@@ -12,6 +12,7 @@
 #include <c10/core/DeviceType.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/collective_log.h"
 #include "comm/collectives.h"
 #include "comm/replica_order.h"
 #include "comm/ring_reduce_scatter.h"
@@ -50,6 +51,7 @@ struct MeshState {
   std::map<std::pair<int, int>, GroupPtr> secondary_groups;  // (N, device type) -> hpZ group
   std::map<const c10d::Backend*, std::shared_ptr<RingReduceScatter>> rings;  // one per Gloo group
   std::map<const c10d::Backend*, std::shared_ptr<ReplicaAllReduceOrder>> replica_orders;  // one per replicate group
+  std::map<const c10d::Backend*, std::shared_ptr<CollectiveLog>> logs;  // one per CPU group made here
   int checks = 0;
 
   static MeshState& of(Mesh& mesh) { return *mesh.state_; }
@@ -72,11 +74,17 @@ struct MeshState {
   // the first difference.
   void check_same_on_all_ranks(const std::string& what, uint64_t fingerprint, const std::string& describe);
 
+  // process_group.cpp: a group of `group_size` ranks named `name` (unique in the store), with its
+  // log when it is a CPU group.
   GroupPtr make_group(const std::string& name, int group_rank, int group_size, c10::DeviceType device);
   // The same, meeting in `on` rather than this mesh's store (the live replica groups of
   // fault_tolerance/, which the coordinator's store names per epoch).
   GroupPtr make_group_on(const c10::intrusive_ptr<c10d::Store>& on, const std::string& name, int group_rank,
                          int group_size, c10::DeviceType device);
+  // What this rank issued on `group` (null for a group not made here, or not a CPU group).
+  std::shared_ptr<CollectiveLog> log_for(const GroupPtr& group) const;
+  GroupPtr build_group(const c10::intrusive_ptr<c10d::Store>& on, const std::string& name, int group_rank,
+                       int group_size, c10::DeviceType device);
 
   // A mesh of `size` ranks of this one (this rank is `rank` of them, `local_world_size` of them per
   // node), with a world group of its own and a store under its own prefix, so every group built on

@@ -38,15 +38,15 @@ int64_t RateLimiter::before_issue() {
     if (device_frees_) {
       oldest->free_event->synchronize();
     } else {
-      wait_for(oldest->work, "all-gather of parameters (held by the rate limiter)");
+      wait_for(oldest->work, "all-gather of parameters (held by the rate limiter)", compare_when_slow(oldest->log));
     }
     entries_.erase(oldest);
   }
   return Timeline::now_ns() - t0;
 }
 
-void RateLimiter::issued(size_t unit, WorkPtr work) {
-  entries_.push_back(Entry{unit, std::move(work), false, std::nullopt});
+void RateLimiter::issued(size_t unit, WorkPtr work, CollectiveLog* log) {
+  entries_.push_back(Entry{unit, std::move(work), log, false, std::nullopt});
 }
 
 void RateLimiter::consumed(size_t unit) {

@@ -20,6 +20,7 @@
 
 #include <c10/core/Event.h>
 
+#include "comm/collective_log.h"
 #include "comm/collectives.h"
 
 namespace fsdp {
@@ -30,7 +31,8 @@ class RateLimiter {
 
   // Before issuing an all-gather. Returns the nanoseconds the thread was blocked.
   int64_t before_issue();
-  void issued(size_t unit, WorkPtr work);
+  // `log`: the log of the group it went out on, which a long wait compares (collective_log.h).
+  void issued(size_t unit, WorkPtr work, CollectiveLog* log = nullptr);
   void consumed(size_t unit);                   // the compute thread waited for unit's all-gather
   void freed(size_t unit, std::optional<c10::Event> event);  // unit resharded (event: device free)
 
@@ -40,6 +42,7 @@ class RateLimiter {
   struct Entry {
     size_t unit;
     WorkPtr work;
+    CollectiveLog* log = nullptr;
     bool consumed = false;
     std::optional<c10::Event> free_event;
   };

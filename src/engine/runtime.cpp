@@ -70,7 +70,9 @@ void Runtime::gather(size_t u) {
     }
   }
   if (WorkPtr work = handle.begin_unshard()) {
-    limiter_.issued(u, std::move(work));
+    // The shard group's log: where forward's all-gathers go (backward's go there too, or over an
+    // hpZ subgroup whose ranks' shard-group logs differ as well when their paths did).
+    limiter_.issued(u, std::move(work), comm_.mesh().log_of(comm_.mesh().shard_group));
     overlap_.max_all_gathers_in_flight = std::max(overlap_.max_all_gathers_in_flight, limiter_.in_flight());
   }
   note_memory();

@@ -1,9 +1,10 @@
-// fsdp-test-worker fault --fault kill|exit|throw|branch|skip --fault-rank R --fault-at forward|backward|step|between
+// fsdp-test-worker fault --fault kill|exit|throw|branch|skip|skip-paired --fault-rank R --fault-at forward|backward|step|between
 //                        [--fault-step S] [--strategy S]
 //   Trains a 4-block GPT-like stack; at step S (default 2) rank R: is killed with SIGKILL at the
 //   given point of the iteration (inside forward, inside backward, inside the optimizer step, or
 //   between steps), or (exit) ends with code 5 while the others abort in an all-reduce, or throws from its forward (user code failing), or runs its blocks in another
-//   order, or skips one (control flow that differs across ranks); or (outlive) every rank waits 300 s
+//   order, or skips one (control flow that differs across ranks; skip-paired: with every unit it
+//   gathers of one size, so that the skipped unit's all-gather pairs with the next one's); or (outlive) every rank waits 300 s
 //   for the test to kill its launcher. The surviving ranks must each end with an error
 //   that names what failed, within the collective timeout; the test drivers time them.
 #include <signal.h>
@@ -71,6 +72,13 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   const int64_t per = kGlobalBatch / mesh->world_size();
   fsdp::Options opts = options_from(a);
   opts.auto_wrap_policy = fsdp::module_type_policy<torch::nn::LinearImpl>();
+  // skip-paired: the head stays in the root unit, so the units a rank gathers are all the same
+  // size and a skipped one's all-gather pairs with the next one's instead of failing on its size.
+  if (a.fault == "skip-paired") {
+    opts.auto_wrap_policy = [](const std::string& fqn, const torch::nn::Module&, int64_t) {
+      return fqn.rfind("block", 0) == 0;
+    };
+  }
   torch::manual_seed(0);
   Stack model;
   fsdp::FullyShardedDataParallel sharded(model, mesh, opts);
@@ -88,7 +96,7 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     optim.zero_grad();
     std::vector<int> order{0, 1, 2, 3};
     if (now && a.fault == "branch") order = {3, 2, 1, 0};  // this rank's control flow differs
-    if (now && a.fault == "skip") order = {0, 1, 3};        // a unit this rank alone does not run
+    if (now && (a.fault == "skip" || a.fault == "skip-paired")) order = {0, 1, 3};  // a unit this rank alone skips
     auto logits = sharded.forward_with([&] {
       return model->forward(x, order, [&](int i, torch::Tensor& h) {
         if (!now || i != 2) return;
