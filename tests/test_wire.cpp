@@ -121,6 +121,14 @@ TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
             std::string::npos) << none_and_more.output;
   const auto empty = fsdp_test::sh(tiny + " --keep-gathered-after-forward ''");
   EXPECT_NE(empty.output.find("--keep-gathered-after-forward"), std::string::npos) << empty.output;  // not the root unit ''
+  EXPECT_NE(bad.output.find("'blocks.1', '' (the root unit)"), std::string::npos) << bad.output;
+  // "--flag=" with nothing after the '=': the command-line library took the next flag as its value
+  // ("keep_gathered_after_forward names '--steps'").
+  const auto swallowed = fsdp_test::sh(fsdp_test::fsdp_train() + " --model tiny --keep-gathered-after-forward= --steps 1");
+  EXPECT_NE(swallowed.exit_code, 0) << swallowed.output;
+  EXPECT_NE(swallowed.output.find("--keep-gathered-after-forward= has an empty value: give one"), std::string::npos)
+      << swallowed.output;
+  EXPECT_EQ(swallowed.output.find("names '--steps'"), std::string::npos) << swallowed.output;
   // --plan plans fsdp's units: with --local it printed an fsdp plan that kept blocks.1.
   const auto plan_local = fsdp_test::sh(fsdp_test::fsdp_train() + " --plan --local --keep-gathered-after-forward blocks.1");
   EXPECT_NE(plan_local.output.find("--plan plans fsdp's sharding; --local trains without it"), std::string::npos)

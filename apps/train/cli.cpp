@@ -1,4 +1,5 @@
 // fsdp-train's command line.
+#include <cstdio>
 #include <map>
 #include <optional>
 
@@ -188,6 +189,17 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
                "backward, as PyTorch's DDP does, without fsdp (the paper's Fig. 6a compares it with --strategy no_shard)");
   app.add_option("--export-init", c.export_init,
                  "write the initial weights, every step's batch and the settings to this folder, then exit");
+  // CLI11 reads "--flag=" (an empty value) as "--flag" and takes the next argument as its value,
+  // even another flag ("--run-dir= --steps 3" would write to a folder named "--steps"): refuse it.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() > 3 && arg.rfind("--", 0) == 0 && arg.back() == '=') {
+      std::fprintf(stderr, "fsdp-train: %s has an empty value: give one (%sVALUE), or leave %s out for its default\n",
+                   arg.c_str(), arg.c_str(), arg.substr(0, arg.size() - 1).c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

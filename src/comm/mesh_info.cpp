@@ -79,7 +79,7 @@ void check_per_unit_options(const Options& options, const std::vector<std::strin
   auto check_name = [&](const std::string& option, const std::string& name) {
     if (std::find(units.begin(), units.end(), name) != units.end()) return;
     std::string known;
-    for (const auto& u : units) known += (known.empty() ? "'" : ", '") + u + "'";
+    for (const auto& u : units) known += (known.empty() ? "'" : ", '") + u + (u.empty() ? "' (the root unit)" : "'");
     throw std::invalid_argument("fsdp: " + option + " names '" + name + "', which is no unit of this model; its units are " +
                                 known);
   };
