@@ -264,6 +264,25 @@ TEST(Failure, RankWhoseForwardSkipsAUnitOfTheSameSize) {
   }
 }
 
+TEST(Failure, RankThatSkipsClippingOrTrainsTwoModelsInAnotherOrder) {
+  // A skipped clip_grad_norm_: rank 1's next all-gather meets the others' all-reduce of the norm.
+  // Before, each rank threw after 2 s but then sat in the process group's destructor, joining a
+  // Gloo thread stuck in that collective, until the collective timeout (20 s here).
+  auto clip = sh("FSDP_COMPARE_COLLECTIVES_AFTER_S=2 " + kFaultEnv + worker() +
+                     " fault --nproc-per-node 2 --fault skip-clip --fault-rank 1",
+                 90);
+  EXPECT_NE(clip.exit_code, 0) << clip.output;
+  EXPECT_LT(clip.seconds, 15.0) << clip.output;
+  EXPECT_EQ(reported(clip.output, "the all-reduce of the gradient norm (2 fp32) on rank 0"), 2) << clip.output;
+  // Two wrapped models of one architecture, trained in another order on rank 1 at step 2: every
+  // collective paired with one of the same size and the job trained each model with the other's
+  // parameters, silently. The end-of-backward check now stops every rank before the optimizer step.
+  auto swap = sh(kFaultEnv + worker() + " fault --nproc-per-node 2 --fault swap-models --fault-rank 1", 90);
+  EXPECT_NE(swap.exit_code, 0) << swap.output;
+  EXPECT_EQ(swap.output.find("\"completed\""), std::string::npos) << swap.output;
+  EXPECT_EQ(reported(swap.output, "the ranks issued different collectives in this iteration"), 2) << swap.output;
+}
+
 TEST(Failure, ComparingCollectivesInEveryWaitChangesNothingInARunThatAgrees) {
   // The comparison must never see a difference where there is none (a rank that is merely slow, a
   // snapshot published before its rank went on, replicas' all-reduces, hpZ subgroups, quantized

@@ -33,10 +33,16 @@ CollectiveLog::CollectiveLog(c10::intrusive_ptr<c10d::Store> store, std::string 
       world_rank_(world_rank),
       check_after_(check_after) {}
 
-void CollectiveLog::record(const std::string& description) {
+void CollectiveLog::set_group(const c10::intrusive_ptr<c10d::Backend>& group) {
   std::lock_guard<std::mutex> lock(mutex_);
-  recent_.push_back(Entry{issued_++, description});
+  group_.emplace(group);
+}
+
+int64_t CollectiveLog::record(const std::string& description) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  recent_.push_back(Entry{issued_, description});
   if (recent_.size() > kKept) recent_.pop_front();
+  return issued_++;
 }
 
 std::string CollectiveLog::payload() {
@@ -88,6 +94,18 @@ std::string CollectiveLog::compare_with_peers() {
       }
     }
     if (first.seq < 0) return "";
+    {
+      // Never destroyed from here on (set_group): a leak of one group in a process that is ending.
+      static auto* const kept = new std::vector<c10::intrusive_ptr<c10d::Backend>>();
+      static std::mutex kept_mutex;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (group_) {
+        if (auto group = group_->lock()) {
+          std::lock_guard<std::mutex> k(kept_mutex);
+          kept->push_back(std::move(group));
+        }
+      }
+    }
     return "fsdp: the ranks issued different collectives on process group '" + group_name_ + "': its collective #" +
            std::to_string(first.seq + 1) + " was the " + mine.at(first.seq) + " on rank " +
            std::to_string(world_rank_) + ", but the " + first.theirs + " on rank " + std::to_string(first.peer) +

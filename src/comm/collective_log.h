@@ -16,8 +16,10 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/collectives.h"
@@ -31,13 +33,20 @@ class CollectiveLog {
   CollectiveLog(c10::intrusive_ptr<c10d::Store> store, std::string group_name, int group_rank, int group_size,
                 int world_rank, std::chrono::milliseconds check_after);
 
-  // Called as each collective is issued on the group, in issue order.
-  void record(const std::string& description);
+  // The group this log is of: kept alive for the rest of the process once its ranks are found to
+  // differ (below).
+  void set_group(const c10::intrusive_ptr<c10d::Backend>& group);
+
+  // Called as each collective is issued on the group, in issue order. Returns its number on the
+  // group (0, 1, ...), the same on every rank whose collectives on the group agree.
+  int64_t record(const std::string& description);
 
   // Publishes this rank's recent entries and compares them with those its peers published.
   // Returns the explanation of the first collective where two ranks differ (an error message that
   // says what to change), or "" when none is seen yet. A failing store gives "" (the collective's
-  // own timeout still ends the wait).
+  // own timeout still ends the wait). When it finds a difference, the group is never destroyed:
+  // its threads wait in collectives no peer will complete, and destroying it would join them, so a
+  // program that ends on the error would wait out the collective timeout on its way out.
   std::string compare_with_peers();
 
   std::chrono::milliseconds check_after() const { return check_after_; }
@@ -61,6 +70,7 @@ class CollectiveLog {
   std::mutex mutex_;
   std::deque<Entry> recent_;
   int64_t issued_ = 0;
+  std::optional<c10::weak_intrusive_ptr<c10d::Backend>> group_;
 };
 
 // What a wait for a collective on `log`'s group (null: none) does when it takes long (`blocks`: a

@@ -71,10 +71,14 @@ InFlight CommContext::issue(CommKind kind, Over over, int unit, const char* what
     case CommKind::WRITE_MERGE: f.work = all_reduce_max(group, b.out, bytes_); break;
   }
   f.log = mesh_.log_of(group);
-  if (f.log) f.log->record(describe(f, b.out.numel(), b.out.scalar_type()));
+  // Its number on the group and the model's, in the hash too: two wrapped models of one
+  // architecture whose forwards run in another order on one rank issue the same collectives, each
+  // model in its own order, but Gloo pairs one model's with the other's (and the sequence checks
+  // of the two models pair up the same way: the model's number is what tells them apart).
+  const int64_t on_group = f.log ? f.log->record(describe(f, b.out.numel(), b.out.scalar_type())) : -1;
   if (kind != CommKind::SEQUENCE_CHECK) {
     for (int64_t v : {static_cast<int64_t>(kind), static_cast<int64_t>(over), static_cast<int64_t>(unit), b.out.numel(),
-                      static_cast<int64_t>(b.out.scalar_type())}) {
+                      static_cast<int64_t>(b.out.scalar_type()), on_group, static_cast<int64_t>(mesh_.model)}) {
       sequence_hash_[static_cast<size_t>(over)] = mix(sequence_hash_[static_cast<size_t>(over)], v);
     }
   }
@@ -99,8 +103,11 @@ std::string CommContext::describe(const InFlight& f, int64_t numel, c10::ScalarT
   if (f.unit >= 0) out += "unit '" + unit_name(f.unit) + "''s ";
   out += f.what;
   if (numel >= 0) {
-    out += std::string(" (") + (f.backward_pass ? "backward" : "forward") + ", " + std::to_string(numel) + " " +
-           dtype_name(dtype) + ")";
+    // A unit's collectives run in forward or backward; the others (the gradient norm, the sequence
+    // check) between them, where "forward" would mislead.
+    const std::string pass = f.unit < 0 ? "" : f.backward_pass ? "backward, " : "forward, ";
+    const std::string model = mesh_.model == 0 ? "" : "wrapped model #" + std::to_string(mesh_.model + 1) + ", ";
+    out += " (" + model + pass + std::to_string(numel) + " " + dtype_name(dtype) + ")";
   }
   return out;
 }

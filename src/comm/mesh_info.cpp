@@ -116,6 +116,7 @@ MeshInfo make_mesh_info(Mesh& mesh, const Options& options, c10::DeviceType devi
   info.replicate_group = groups.replicate;
   info.world_group = mesh.world();
   auto& state = detail::MeshState::of(mesh);
+  info.model = state.models_wrapped++;
   if (info.replicas > 1) info.replica_order = state.replica_order_for(info.replicate_group);
   if (info.shard_size > 1 && options.gloo_reduce_scatter == GlooReduceScatter::RING &&
       RingReduceScatter::supports(info.shard_group)) {

@@ -26,6 +26,7 @@ struct MeshInfo {
   int shard_size = 1;   // F: ranks that share one unit's shards
   int shard_rank = 0;   // this rank's place in its shard group, 0 <= shard_rank < F
   int replicas = 1;     // W / F: shard groups holding copies of the same shards
+  int model = 0;        // which model wrapped over this mesh, in wrap order (0, 1, ...): named in the collective logs
   GroupPtr shard_group;      // F ranks: all-gather and reduce-scatter
   GroupPtr replicate_group;  // W / F ranks: all-reduce of gradient shards
   GroupPtr world_group;      // all W ranks, CPU tensors: cross-rank checks

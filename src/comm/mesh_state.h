@@ -53,6 +53,7 @@ struct MeshState {
   std::map<const c10d::Backend*, std::shared_ptr<ReplicaAllReduceOrder>> replica_orders;  // one per replicate group
   std::map<const c10d::Backend*, std::shared_ptr<CollectiveLog>> logs;  // one per CPU group made here
   int checks = 0;
+  int models_wrapped = 0;  // MeshInfo::model of the next model wrapped over this mesh
 
   static MeshState& of(Mesh& mesh) { return *mesh.state_; }
   static const MeshState& of(const Mesh& mesh) { return *mesh.state_; }

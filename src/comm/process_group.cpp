@@ -27,6 +27,7 @@ GroupPtr MeshState::make_group_on(const c10::intrusive_ptr<c10d::Store>& on, con
     logs[group.get()] = std::make_shared<CollectiveLog>(c10::make_intrusive<c10d::PrefixStore>("fsdp/log/" + name, on),
                                                         name, group_rank, group_size, env.rank,
                                                         options.compare_collectives_after);
+    logs[group.get()]->set_group(group);
   }
   return group;
 }

@@ -1,10 +1,11 @@
-// fsdp-test-worker fault --fault kill|exit|throw|branch|skip|skip-paired --fault-rank R --fault-at forward|backward|step|between
+// fsdp-test-worker fault --fault kill|exit|throw|branch|skip|skip-paired|skip-clip|swap-models --fault-rank R --fault-at forward|backward|step|between
 //                        [--fault-step S] [--strategy S]
 //   Trains a 4-block GPT-like stack; at step S (default 2) rank R: is killed with SIGKILL at the
 //   given point of the iteration (inside forward, inside backward, inside the optimizer step, or
 //   between steps), or (exit) ends with code 5 while the others abort in an all-reduce, or throws from its forward (user code failing), or runs its blocks in another
 //   order, or skips one (control flow that differs across ranks; skip-paired: with every unit it
-//   gathers of one size, so that the skipped unit's all-gather pairs with the next one's); or (outlive) every rank waits 300 s
+//   gathers of one size, so that the skipped unit's all-gather pairs with the next one's), or skips
+//   clip_grad_norm_ that the others call, or trains the second of two wrapped models first; or (outlive) every rank waits 300 s
 //   for the test to kill its launcher. The surviving ranks must each end with an error
 //   that names what failed, within the collective timeout; the test drivers time them.
 #include <signal.h>
@@ -85,6 +86,27 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
   torch::optim::AdamW optim(sharded.parameters(), torch::optim::AdamWOptions(1e-3));
   const bool mine = rank == a.fault_rank;
   auto say = [&](const std::string& what) { std::cerr << "rank " << rank << ": " << what << std::endl; };
+  if (a.fault == "swap-models") {
+    // Two wrapped models of one architecture, trained one after the other each step; at step S
+    // rank R trains the second first. Every collective pairs with one of the same size.
+    Stack second;
+    fsdp::FullyShardedDataParallel sharded2(second, mesh, opts);
+    torch::optim::AdamW optim2(sharded2.parameters(), torch::optim::AdamWOptions(1e-3));
+    for (int step = 0; step < 6; ++step) {
+      auto [x, y] = corpus().batch(step, kGlobalBatch, 16, 3, rank * per, rank * per + per);
+      std::vector<std::pair<Stack*, decltype(&sharded)>> order{{&model, &sharded}, {&second, &sharded2}};
+      if (mine && step == a.fault_step) std::swap(order[0], order[1]);
+      for (auto& [m, w] : order) {
+        auto logits = w->forward_with([&, m = m] { return (*m)->forward(x, {0, 1, 2, 3}, [](int, torch::Tensor&) {}); });
+        models::lm_loss(logits, y).backward();
+      }
+      optim.step();
+      optim2.step();
+      optim.zero_grad();
+      optim2.zero_grad();
+    }
+    return json{{"rank", rank}, {"completed", true}};
+  }
   for (int step = 0; step < 6; ++step) {
     const bool now = mine && step == a.fault_step;
     if (now && a.fault == "kill" && a.fault_at == "between") {
@@ -115,6 +137,8 @@ json run_fault(const std::shared_ptr<fsdp::Mesh>& mesh, const Args& a) {
     });
     auto loss = models::lm_loss(logits, y);
     loss.backward();
+    // skip-clip: every rank clips (an all-reduce of the norm) but rank R at step S.
+    if (a.fault == "skip-clip" && !now) sharded.clip_grad_norm_(1.0);
     if (now && a.fault == "kill" && a.fault_at == "step") {
       optim.step([&] {
         say("killed in the optimizer step");
