@@ -148,6 +148,10 @@ TEST_P(KilledRank, LocalLauncherReportsItAndEveryOtherRankEndsWithTheCause) {
   EXPECT_NE(run.output.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << run.output;
   // Each survivor says itself which collective failed (not a SIGTERM from the launcher).
   expect_survivors_reported(run.output);
+  // The job's failure is the killed rank's (an OOM kill looks like this), not a survivor's that
+  // exited with code 1 a moment later: a SIGKILL is never a peer's closed connection.
+  EXPECT_EQ(run.output.find("the job's failure is rank"), std::string::npos) << run.output;
+  EXPECT_EQ(run.exit_code, 128 + 9) << run.output;
 }
 
 TEST_P(KilledRank, TorchrunStyleEveryOtherRankEndsOnItsOwn) {
@@ -240,6 +244,10 @@ TEST(Failure, RankWhoseForwardSkipsAUnit) {
   EXPECT_NE(run.exit_code, 0);
   EXPECT_LT(run.seconds, 60.0) << run.output;
   EXPECT_NE(run.output.find("the ranks issued different collectives"), std::string::npos) << run.output;
+  // The rank whose Gloo thread found it ends with code 70, and the launcher blames it, not a peer
+  // that exited with code 1 after its connection closed (it did when the rank died of SIGABRT).
+  EXPECT_NE(run.output.find("exited with code 70"), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("the job's failure is rank"), std::string::npos) << run.output;
 }
 
 TEST(Failure, RankWhoseForwardSkipsAUnitOfTheSameSize) {

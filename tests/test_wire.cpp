@@ -119,8 +119,9 @@ TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
   const auto none_and_more = fsdp_test::sh(tiny + " --keep-gathered-after-forward none,blocks.1");
   EXPECT_NE(none_and_more.output.find("--keep-gathered-after-forward none keeps no unit gathered: give it alone"),
             std::string::npos) << none_and_more.output;
-  const auto empty = fsdp_test::sh(tiny + " --keep-gathered-after-forward ''");
-  EXPECT_NE(empty.output.find("--keep-gathered-after-forward"), std::string::npos) << empty.output;  // not the root unit ''
+  const auto empty = fsdp_test::sh(tiny + " --keep-gathered-after-forward \"\"");
+  EXPECT_NE(empty.output.find("--keep-gathered-after-forward was given an empty value"), std::string::npos)
+      << empty.output;  // not the root unit ''
   EXPECT_NE(bad.output.find("'blocks.1', '' (the root unit)"), std::string::npos) << bad.output;
   // "--flag=" with nothing after the '=': the command-line library took the next flag as its value
   // ("keep_gathered_after_forward names '--steps'").
@@ -129,6 +130,12 @@ TEST(Wire, KeepingTheLastBlockGatheredSavesBackwardsFirstAllGather) {
   EXPECT_NE(swallowed.output.find("--keep-gathered-after-forward= has an empty value: give one"), std::string::npos)
       << swallowed.output;
   EXPECT_EQ(swallowed.output.find("names '--steps'"), std::string::npos) << swallowed.output;
+  const auto no_value = fsdp_test::sh(fsdp_test::fsdp_train() + " --model tiny --hpz= --steps 1");
+  EXPECT_NE(no_value.output.find("--hpz= takes no value: write --hpz"), std::string::npos) << no_value.output;
+  // --save-dir "$DIR" with DIR unset: it saved nothing, silently.
+  const auto unset = fsdp_test::sh(fsdp_test::fsdp_train() + " --model tiny --steps 1 --save-every 1 --save-dir \"\"");
+  EXPECT_NE(unset.exit_code, 0) << unset.output;
+  EXPECT_NE(unset.output.find("--save-dir was given an empty value"), std::string::npos) << unset.output;
   // --plan plans fsdp's units: with --local it printed an fsdp plan that kept blocks.1.
   const auto plan_local = fsdp_test::sh(fsdp_test::fsdp_train() + " --plan --local --keep-gathered-after-forward blocks.1");
   EXPECT_NE(plan_local.output.find("--plan plans fsdp's sharding; --local trains without it"), std::string::npos)

@@ -195,8 +195,14 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
     const std::string arg = argv[i];
     if (arg == "--") break;
     if (arg.size() > 3 && arg.rfind("--", 0) == 0 && arg.back() == '=') {
-      std::fprintf(stderr, "fsdp-train: %s has an empty value: give one (%sVALUE), or leave %s out for its default\n",
-                   arg.c_str(), arg.c_str(), arg.substr(0, arg.size() - 1).c_str());
+      const std::string name = arg.substr(0, arg.size() - 1);
+      const CLI::Option* opt = app.get_option_no_throw(name);
+      if (opt != nullptr && opt->get_expected_max() == 0) {
+        std::fprintf(stderr, "fsdp-train: %s takes no value: write %s\n", arg.c_str(), name.c_str());
+      } else {
+        std::fprintf(stderr, "fsdp-train: %s has an empty value: give one (%sVALUE), or leave %s out for its default\n",
+                     arg.c_str(), arg.c_str(), name.c_str());
+      }
       return 2;
     }
   }
@@ -204,6 +210,17 @@ std::optional<int> parse_cli(int argc, char** argv, Config& c) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  // An empty value ("--save-dir \"$DIR\"" with DIR unset) would quietly mean "none" or "here".
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->get_expected_max() == 0 || opt->get_name() == "--prompt") continue;  // flags take no value
+    for (const std::string& value : opt->results()) {
+      if (value.empty()) {
+        std::fprintf(stderr, "fsdp-train: %s was given an empty value: give one, or leave %s out for its default\n",
+                     opt->get_name().c_str(), opt->get_name().c_str());
+        return 2;
+      }
+    }
   }
   if (c.global_batch == 0) c.global_batch = default_global_batch(c.model);
   c.args.assign(argv + 1, argv + argc);

@@ -34,6 +34,9 @@ bool is_collective_mismatch(const std::string& what) {
                      "names the first collective where the ranks differ.\n",
                      g_rank.load(), ex.what(), kSameCollectivesOnEveryRank);
         std::fflush(stderr);
+        // An exit code, not SIGABRT: a launcher then blames this rank, where a rank killed by
+        // SIGABRT may as well be the victim of a peer's closed connection.
+        std::_Exit(kCollectiveMismatchExitCode);
       }
     } catch (...) {
     }

@@ -10,8 +10,12 @@
 
 namespace fsdp::detail {
 
+// The exit code of a rank ended that way (EX_SOFTWARE).
+inline constexpr int kCollectiveMismatchExitCode = 70;
+
 // Installs (once per process) a terminate handler that, for Gloo's collective-mismatch errors,
-// prints fsdp's explanation with this rank's number, then hands over to the handler it replaced.
+// prints fsdp's explanation with this rank's number and ends the process with
+// kCollectiveMismatchExitCode; other errors go to the handler it replaced.
 void explain_collective_mismatch_on_terminate(int rank);
 
 }  // namespace fsdp::detail

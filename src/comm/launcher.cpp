@@ -164,7 +164,7 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
   // and are gone sooner. So a rank that exits with a code within a second of a first failure by
   // signal is taken for the cause instead.
   int cause = -1;
-  bool cause_by_signal = false;
+  bool cause_by_signal = false;  // the first failure: a signal that a peer's closed connection may cause
   bool reattributed = false;
   auto cause_at = Clock::time_point::min();
   size_t running = pids.size();
@@ -204,7 +204,11 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
           }
           continue;
         }
+        // A peer's closed connection ends a rank by SIGABRT (Gloo's error escaping its thread) or
+        // SIGPIPE; SIGKILL (the OOM killer, a user), SIGSEGV and the like are the rank's own end,
+        // never a peer's doing: the job's failure stays theirs.
         const bool by_signal = WIFSIGNALED(status);
+        const bool maybe_a_peers_doing = by_signal && (WTERMSIG(status) == SIGABRT || WTERMSIG(status) == SIGPIPE);
         if (first_failure != 0 && cause_by_signal && !by_signal && g_stop_signal == 0 &&
             Clock::now() - cause_at < std::chrono::seconds(1)) {
           first_failure = code;
@@ -215,7 +219,7 @@ int run_ranks(int nproc, const std::vector<std::string>& argv, int master_port, 
         if (first_failure == 0) {
           first_failure = code;
           cause = static_cast<int>(r);
-          cause_by_signal = by_signal;
+          cause_by_signal = maybe_a_peers_doing;
           cause_at = Clock::now();
           if (running > 0) {
             std::cerr << "fsdp launcher: waiting up to " << grace.count() / 1000.0 << " s for the other " << running
