@@ -41,7 +41,7 @@ struct MeshOptions {
   // the collectives it issued on the group and compares them with its peers': ranks that issued
   // different ones (a unit skipped on one rank, whose all-gather Gloo then paired with another
   // unit's of the same size) fail with the first collective where they differ, instead of waiting
-  // out collective_timeout. Checked again every as long, until the wait ends. 0: never.
+  // out collective_timeout. It compares again after each further as long, until the wait ends. 0: never.
   // Default 10 s; environment: FSDP_COMPARE_COLLECTIVES_AFTER_S (0 turns it off).
   std::chrono::milliseconds compare_collectives_after{std::chrono::seconds(10)};
   // The defaults above with FSDP_INIT_TIMEOUT_S, FSDP_COLLECTIVE_TIMEOUT_S and
