@@ -262,11 +262,16 @@ TEST(Failure, RankWhoseForwardSkipsAUnitOfTheSameSize) {
                   90);
     EXPECT_NE(run.exit_code, 0) << run.output;
     EXPECT_LT(run.seconds, 15.0) << "ended by the collective timeout, not by the comparison:\n" << run.output;
-    EXPECT_EQ(reported(run.output, "the ranks issued different collectives on process group"), W) << run.output;
-    EXPECT_NE(run.output.find("the all-gather of unit 'block2''s parameters (forward, 1056 fp32) on rank 0, but the "
-                              "all-gather of unit 'block3''s parameters (forward, 1056 fp32) on rank 1"),
-              std::string::npos)
-        << "rank 0 names both collectives:\n" << run.output;
+    // Every rank says it; which words depends on timing: once one rank has left on the comparison,
+    // a peer still waiting may first receive another collective's message, of another size, which
+    // Gloo refuses (explained as such, exit code 70).
+    EXPECT_GE(reported(run.output, "the ranks issued different collectives"), W) << run.output;
+    EXPECT_GE(reported(run.output, "the ranks issued different collectives on process group"), 1) << run.output;
+    // Rank 1's all-gather of block3 met the others' of block2: the message names both, and rank 1.
+    EXPECT_NE(run.output.find("all-gather of unit 'block3''s parameters (forward, 1056 fp32) on rank 1"), std::string::npos)
+        << run.output;
+    EXPECT_NE(run.output.find("all-gather of unit 'block2''s parameters (forward, 1056 fp32) on rank"), std::string::npos)
+        << run.output;
     EXPECT_NE(run.output.find("Run every branch on every rank"), std::string::npos) << run.output;
     EXPECT_EQ(run.output.find("probably exited"), std::string::npos) << run.output;
   }
@@ -281,7 +286,8 @@ TEST(Failure, RankThatSkipsClippingOrTrainsTwoModelsInAnotherOrder) {
                  90);
   EXPECT_NE(clip.exit_code, 0) << clip.output;
   EXPECT_LT(clip.seconds, 15.0) << clip.output;
-  EXPECT_EQ(reported(clip.output, "the all-reduce of the gradient norm (2 fp32) on rank 0"), 2) << clip.output;
+  EXPECT_GE(reported(clip.output, "the ranks issued different collectives"), 2) << clip.output;
+  EXPECT_GE(reported(clip.output, "the all-reduce of the gradient norm (2 fp32) on rank 0"), 1) << clip.output;
   // Two wrapped models of one architecture, trained in another order on rank 1 at step 2: every
   // collective paired with one of the same size and the job trained each model with the other's
   // parameters, silently. The end-of-backward check now stops every rank before the optimizer step.
