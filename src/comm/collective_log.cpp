@@ -46,7 +46,7 @@ int64_t CollectiveLog::record(const std::string& description) {
 }
 
 std::string CollectiveLog::payload() {
-  std::string out = std::to_string(world_rank_) + "\t" + std::to_string(issued_) + "\n";
+  std::string out = std::to_string(world_rank_) + "\n";
   for (const Entry& e : recent_) out += std::to_string(e.seq) + "\t" + one_line(e.what) + "\n";
   return out;
 }
@@ -78,11 +78,9 @@ std::string CollectiveLog::compare_with_peers() {
       if (r == group_rank_ || !store_->check({key_of(r)})) continue;  // not waiting (yet): nothing to compare
       const std::vector<uint8_t> raw = store_->get(key_of(r));
       std::istringstream in(std::string(raw.begin(), raw.end()));
-      int peer = -1;
-      int64_t peer_issued = 0;
-      in >> peer >> peer_issued;
       std::string line;
       std::getline(in, line);
+      const int peer = std::stoi(line);
       while (std::getline(in, line)) {
         const size_t tab = line.find('\t');
         if (tab == std::string::npos) continue;

@@ -61,7 +61,7 @@ class CollectiveLog {
     int64_t seq;
     std::string what;
   };
-  std::string payload();  // under mutex_
+  std::string payload();  // under mutex_: this rank's world rank, then "seq\twhat" per entry
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_name_;
